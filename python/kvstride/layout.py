@@ -1,0 +1,275 @@
+"""KV tensors -> the fixed list of byte pieces that make one block of each group.
+
+vLLM hands a connector one tensor (or, for Mamba layers, a list of state tensors) per layer,
+and the KV-cache config tells which layers form each group.  Whatever the backend's shape
+-- FlashAttention ``(2, num_blocks, block, heads, dim)``, blocks-first
+``(num_blocks, 2, block, heads, dim)`` / CPU ``(num_blocks, heads, block, 2*dim)``, MLA
+``(num_blocks, block, dim)``, Mamba conv / SSM state ``(num_blocks, ...)`` or the raw int8
+page views ``(num_blocks, 1, 1, state_bytes)`` -- block ``b`` of one tensor is a fixed set of
+byte ranges ``offset_j + b * stride_j`` of ``size_j`` bytes inside the tensor's storage.
+This module finds those ranges from shapes and strides only (never from backend names), so
+it also covers vLLM's hybrid allocator, where one allocation is viewed by a layer of every
+group (attention re-strided block-major, Mamba states as strided views of the same pages).
+
+A group's block is the concatenation of the pieces of its layers, in layer order; adjacent
+pieces that stay adjacent for every block (layer-contiguous or cross-layer layouts) are
+merged, so one block costs as few copies as the memory layout allows.
+
+Layouts that are not a fixed set of byte ranges per block (negative or zero strides,
+overlapping elements, a block dimension that cannot be found, too many pieces) are refused
+at registration with a ``ValueError`` naming the tensor, its shape and strides.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import struct
+from dataclasses import dataclass
+from typing import Mapping, Optional, Sequence, Union
+
+import torch
+
+__all__ = ["Piece", "GroupLayout", "KVLayout", "MAX_PIECES_PER_TENSOR"]
+
+#: More pieces than this for one tensor's block means a layout we would copy inefficiently
+#: (e.g. token-major with the block dimension innermost); refuse it.
+MAX_PIECES_PER_TENSOR = 64
+
+TensorLike = Union[torch.Tensor, Sequence[torch.Tensor]]
+
+
+@dataclass(frozen=True)
+class Piece:
+    """``size`` bytes at ``storage base + offset + block_id * stride`` belong to block ``block_id``."""
+
+    storage: int  # index into KVLayout.storages
+    offset: int  # bytes from the storage's first byte to this piece of block 0
+    size: int  # bytes per block
+    stride: int  # bytes between the pieces of consecutive blocks
+    layer: str  # first layer the piece came from (merged pieces keep the first name)
+
+
+@dataclass(frozen=True)
+class GroupLayout:
+    group: int
+    num_blocks: int
+    pieces: tuple  # tuple[Piece, ...], in value order
+    block_bytes: int  # sum of piece sizes: the payload of one stored value
+    layers: tuple  # layer names, in registration order
+
+    @property
+    def piece_sizes(self) -> tuple:
+        return tuple(p.size for p in self.pieces)
+
+
+def _describe(name: str, t: torch.Tensor) -> str:
+    return (
+        f"tensor {name!r}: shape {tuple(t.shape)}, strides {tuple(t.stride())} (elements), "
+        f"dtype {t.dtype}, storage offset {t.storage_offset()}"
+    )
+
+
+def _block_dim(name: str, t: torch.Tensor, num_blocks: Optional[int]) -> int:
+    shape = tuple(t.shape)
+    if t.dim() == 0:
+        raise ValueError(f"unsupported KV layout, {_describe(name, t)}: a scalar has no block dimension")
+    fa_like = t.dim() >= 3 and shape[0] == 2
+    if num_blocks is None:
+        return 1 if (fa_like and t.dim() == 5) else 0
+    d0 = shape[0] == num_blocks
+    d1 = t.dim() >= 2 and shape[1] == num_blocks and shape[0] == 2
+    if d0 and d1:  # num_blocks == 2: follow vLLM's FlashAttention convention for 5-D tensors
+        return 1 if t.dim() == 5 else 0
+    if d0:
+        return 0
+    if d1:
+        return 1
+    raise ValueError(
+        f"unsupported KV layout, {_describe(name, t)}: no block dimension of size {num_blocks} "
+        f"(expected (num_blocks, ...) or (2, num_blocks, ...))"
+    )
+
+
+def _tensor_pieces(name: str, t: torch.Tensor, bdim: int):
+    """(byte offset from tensor start, size, block stride) per piece, or ValueError."""
+    es = t.element_size()
+    shape, strides = tuple(t.shape), tuple(t.stride())
+    if any(s < 0 for s in strides):
+        raise ValueError(f"unsupported KV layout, {_describe(name, t)}: negative stride")
+    # Non-overlap: sorted by stride, each dimension must step past everything below it.
+    dims = sorted(((strides[i] * es, shape[i]) for i in range(t.dim()) if shape[i] > 1))
+    extent = es
+    for st, sz in dims:
+        if st < extent:
+            raise ValueError(
+                f"unsupported KV layout, {_describe(name, t)}: elements overlap "
+                "(zero, broadcast or interleaved strides); blocks must be disjoint byte ranges"
+            )
+        extent = st * (sz - 1) + extent
+    block_stride = strides[bdim] * es
+    if shape[bdim] > 1 and block_stride == 0:
+        raise ValueError(f"unsupported KV layout, {_describe(name, t)}: block stride 0")
+    inner = sorted((strides[i] * es, shape[i]) for i in range(t.dim()) if i != bdim and shape[i] > 1)
+    run = es
+    k = 0
+    while k < len(inner) and inner[k][0] == run:
+        run *= inner[k][1]
+        k += 1
+    outer = inner[k:]
+    count = 1
+    for _, sz in outer:
+        count *= sz
+    if count > MAX_PIECES_PER_TENSOR:
+        raise ValueError(
+            f"unsupported KV layout, {_describe(name, t)}: one block is {count} separate byte "
+            f"ranges of {run} B (more than {MAX_PIECES_PER_TENSOR}); blocks must be a few "
+            "contiguous ranges (block dimension outermost or next to a K/V dimension)"
+        )
+    offs = sorted(
+        sum(i * st for i, (st, _) in zip(idx, outer))
+        for idx in itertools.product(*(range(sz) for _, sz in outer))
+    )
+    if shape[bdim] > 1 and block_stride < run:
+        raise ValueError(f"unsupported KV layout, {_describe(name, t)}: blocks overlap")
+    return [(o, run, block_stride) for o in offs]
+
+
+class KVLayout:
+    """Byte pieces of every group's blocks.
+
+    ``kv_caches``: layer name -> tensor, or a list/tuple of tensors (Mamba conv + SSM state),
+    as vLLM's ``register_kv_caches`` gives them.  ``groups``: for each KV-cache group, its layer
+    names (``kv_cache_config.kv_cache_groups[g].layer_names``).  ``num_blocks``: one int for all
+    groups, one per group, or None to infer (dimension 1 for 5-D ``(2, N, ...)`` tensors,
+    dimension 0 otherwise).
+    """
+
+    def __init__(
+        self,
+        kv_caches: Mapping[str, TensorLike],
+        groups: Sequence[Sequence[str]],
+        num_blocks: Union[None, int, Sequence[Optional[int]]] = None,
+    ) -> None:
+        if isinstance(num_blocks, int) or num_blocks is None:
+            nbs = [num_blocks] * len(groups)
+        else:
+            nbs = list(num_blocks)
+            if len(nbs) != len(groups):
+                raise ValueError(f"num_blocks has {len(nbs)} entries for {len(groups)} groups")
+        self._storages: list = []  # (device, storage data_ptr) -> index
+        self._storage_index: dict = {}
+        self._storage_tensors: list = []  # byte tensors over each whole storage (keep alive)
+        self.device: Optional[torch.device] = None
+        out = []
+        for g, names in enumerate(groups):
+            if not names:
+                raise ValueError(f"KV-cache group {g} has no layers")
+            pieces = []
+            nb_group = nbs[g]
+            for name in names:
+                if name not in kv_caches:
+                    raise ValueError(f"group {g} names layer {name!r}, which is not among the KV caches")
+                value = kv_caches[name]
+                tensors = [value] if isinstance(value, torch.Tensor) else list(value)
+                for j, t in enumerate(tensors):
+                    tname = name if len(tensors) == 1 else f"{name}[{j}]"
+                    if not isinstance(t, torch.Tensor):
+                        raise ValueError(f"KV cache {tname!r} is a {type(t).__name__}, not a torch.Tensor")
+                    if self.device is None:
+                        self.device = t.device
+                    elif t.device != self.device:
+                        raise ValueError(
+                            f"unsupported KV layout, {_describe(tname, t)}: on {t.device}, "
+                            f"other KV caches are on {self.device}"
+                        )
+                    bdim = _block_dim(tname, t, nb_group)
+                    nb = t.shape[bdim]
+                    if nb_group is None:
+                        nb_group = nb
+                    elif nb != nb_group:
+                        raise ValueError(
+                            f"unsupported KV layout, {_describe(tname, t)}: {nb} blocks, "
+                            f"other layers of group {g} have {nb_group}"
+                        )
+                    sidx, base = self._storage_of(t)
+                    start = t.data_ptr() - base
+                    for off, size, stride in _tensor_pieces(tname, t, bdim):
+                        pieces.append(Piece(sidx, start + off, size, stride, tname))
+            # Storage bounds.
+            for p in pieces:
+                last = p.offset + (nb_group - 1) * p.stride + p.size
+                if p.offset < 0 or last > self._storage_tensors[p.storage].numel():
+                    raise ValueError(f"layer {p.layer!r}: block pieces fall outside the tensor's storage")
+            seen = set()
+            for p in pieces:
+                if (p.storage, p.offset) in seen:
+                    raise ValueError(f"group {g}: layer {p.layer!r} aliases another layer of the same group")
+                seen.add((p.storage, p.offset))
+            merged: list = []
+            for p in pieces:
+                q = merged[-1] if merged else None
+                if q is not None and q.storage == p.storage and q.stride == p.stride and q.offset + q.size == p.offset and (
+                    nb_group <= 1 or q.size + p.size <= p.stride
+                ):
+                    merged[-1] = Piece(q.storage, q.offset, q.size + p.size, q.stride, q.layer)
+                else:
+                    merged.append(p)
+            out.append(
+                GroupLayout(
+                    group=g,
+                    num_blocks=int(nb_group),
+                    pieces=tuple(merged),
+                    block_bytes=sum(p.size for p in merged),
+                    layers=tuple(names),
+                )
+            )
+        self.groups: tuple = tuple(out)
+        self._fp = self._fingerprint(kv_caches, groups)
+
+    def _storage_of(self, t: torch.Tensor):
+        st = t.untyped_storage()
+        key = (str(t.device), st.data_ptr())
+        if key not in self._storage_index:
+            self._storage_index[key] = len(self._storage_tensors)
+            whole = torch.empty(0, dtype=torch.uint8, device=t.device).set_(st, 0, (st.nbytes(),), (1,))
+            self._storage_tensors.append(whole)
+        return self._storage_index[key], st.data_ptr()
+
+    # ---- accessors -------------------------------------------------------------------
+
+    @property
+    def storages(self) -> list:
+        """Flat uint8 tensors, one per distinct storage the pieces refer to."""
+        return list(self._storage_tensors)
+
+    def block_bytes(self, group: int) -> int:
+        return self.groups[group].block_bytes
+
+    def fingerprint(self) -> bytes:
+        """8 bytes identifying the per-block geometry (not addresses): what a stored value's
+        header carries, so that values written under another layout are never read."""
+        return self._fp
+
+    def _fingerprint(self, kv_caches, groups) -> bytes:
+        h = hashlib.sha256(b"kvstride-layout-v1")
+        for g in self.groups:
+            h.update(struct.pack("<QQ", g.group, g.block_bytes))
+            for p in g.pieces:
+                h.update(struct.pack("<Q", p.size))
+            for name in g.layers:
+                value = kv_caches[name]
+                for t in [value] if isinstance(value, torch.Tensor) else value:
+                    h.update(f"{t.dtype}{tuple(t.shape[1:]) if t.dim() else ()}".encode())
+        return h.digest()[:8]
+
+    def describe(self) -> str:
+        lines = []
+        for g in self.groups:
+            lines.append(f"group {g.group}: {g.num_blocks} blocks x {g.block_bytes} B in {len(g.pieces)} piece(s)")
+            for p in g.pieces:
+                lines.append(f"  {p.layer}: storage {p.storage} +{p.offset} size {p.size} stride {p.stride}")
+        return "\n".join(lines)
+
+    def __repr__(self) -> str:
+        return f"KVLayout({', '.join(f'g{g.group}:{g.block_bytes}Bx{len(g.pieces)}' for g in self.groups)})"
