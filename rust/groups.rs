@@ -212,7 +212,7 @@ pub fn resolve_block_sizes(
         return Err(Error::new("prefix_match_unit=0: use a positive number of tokens or None"));
     }
     if groups.len() == 1 {
-        let size = groups[0].block_size * dcp;
+        let size = groups[0].effective_size(dcp);
         if let Some(unit) = prefix_match_unit {
             if unit != size {
                 return Err(Error::new(format!(

@@ -87,19 +87,24 @@ impl Namespace {
 
     /// The namespace text with `tp_rank` as the key's TP rank.
     pub fn text(&self, tp_rank: u64) -> String {
+        self.text_with(tp_rank, self.dcp_rank)
+    }
+
+    /// The namespace text with other TP / DCP ranks. Empty optional parts are left out.
+    pub fn text_with(&self, tp_rank: u64, dcp_rank: u64) -> String {
         let mut out = String::new();
-        if let Some(prefix) = &self.cache_prefix {
+        if let Some(prefix) = self.cache_prefix.as_deref().filter(|p| !p.is_empty()) {
             out.push_str(prefix);
             out.push('@');
         }
         out.push_str(&self.model);
-        if let Some(fp) = &self.fingerprint {
+        if let Some(fp) = self.fingerprint.as_deref().filter(|f| !f.is_empty()) {
             out.push_str("@fp:");
             out.push_str(fp);
         }
         out.push_str(&format!(
-            "@tp_rank:{tp_rank}@pcp{}@dcp{}@pp_rank:{}",
-            self.pcp_rank, self.dcp_rank, self.pp_rank
+            "@tp_rank:{tp_rank}@pcp{}@dcp{dcp_rank}@pp_rank:{}",
+            self.pcp_rank, self.pp_rank
         ));
         out
     }

@@ -174,13 +174,21 @@ impl KeyPlanner {
             }
             NamespaceSpec::Parts(ns) => {
                 ns.validate()?;
+                // Under DCP every rank keys its own shard, and rank t is dcp rank t % dcp.
+                let text = |key_rank: u64| {
+                    if dcp > 1 {
+                        ns.text_with(key_rank, key_rank % dcp)
+                    } else {
+                        ns.text(key_rank)
+                    }
+                };
                 let own = (0..groups.len())
-                    .map(|g| format!("{}@group:{g}@", ns.text(tp_rank / replication[g])))
+                    .map(|g| format!("{}@group:{g}@", text(tp_rank / replication[g])))
                     .collect();
                 let all = (0..groups.len())
                     .map(|g| {
                         (0..cdiv(tp_size, replication[g]))
-                            .map(|rank| format!("{}@group:{g}@", ns.text(rank)))
+                            .map(|rank| format!("{}@group:{g}@", text(rank)))
                             .collect()
                     })
                     .collect();
@@ -302,6 +310,17 @@ impl KeyPlanner {
             .collect()
     }
 
+    fn check_saved_offset(&self, saved_offset: u64) -> Result<()> {
+        if saved_offset % self.s != 0 {
+            return Err(Error::new(format!(
+                "saved_offset={saved_offset} is not a multiple of scheduler_block_size={} \
+                 (a saved offset only ever advances to a save end)",
+                self.s
+            )));
+        }
+        Ok(())
+    }
+
     /// §4: the blocks computed since `saved_offset` that this rank stores.
     pub fn plan_save<H: AsRef<[u8]>>(
         &self,
@@ -311,12 +330,7 @@ impl KeyPlanner {
         saved_offset: u64,
         exists: &dyn Fn(&str) -> bool,
     ) -> Result<SavePlan> {
-        if saved_offset % self.s != 0 {
-            return Err(Error::new(format!(
-                "saved_offset={saved_offset} is not a multiple of scheduler_block_size={}",
-                self.s
-            )));
-        }
+        self.check_saved_offset(saved_offset)?;
         let covered = num_tokens.min(self.tokens_hashed(hashes.len()));
         let end = (covered / self.s * self.s).max(saved_offset);
         let mut entries = Vec::new();
@@ -361,8 +375,9 @@ impl KeyPlanner {
         handoffs: &[(usize, u64, u64)],
         saved_offset: u64,
         exists: &dyn Fn(&str) -> bool,
-    ) -> TailPlan {
-        let plan = |outcome, boundary| TailPlan { outcome, boundary, puts: Vec::new() };
+    ) -> Result<TailPlan> {
+        self.check_saved_offset(saved_offset)?;
+        let plan = |outcome, boundary| Ok(TailPlan { outcome, boundary, puts: Vec::new() });
         if hashes.is_empty() || handoffs.is_empty() {
             return plan(TailOutcome::None, None);
         }
@@ -413,7 +428,7 @@ impl KeyPlanner {
         }
         let puts = self.finish_puts(hashes, entries, exists);
         let outcome = if puts.is_empty() { TailOutcome::AllPresent } else { TailOutcome::Planned };
-        TailPlan { outcome, boundary: Some(boundary), puts }
+        Ok(TailPlan { outcome, boundary: Some(boundary), puts })
     }
 
     /// The largest length the lookup may test for a request of `num_tokens` tokens.

@@ -529,13 +529,11 @@ impl Namespace {
         Ok(Namespace { inner })
     }
 
-    #[pyo3(signature = (tp_rank = None))]
-    fn text(&self, tp_rank: Option<i64>) -> PyResult<String> {
-        let rank = match tp_rank {
-            Some(r) => non_negative("tp_rank", r)?,
-            None => self.inner.tp_rank,
-        };
-        Ok(self.inner.text(rank))
+    #[pyo3(signature = (tp_rank = None, dcp_rank = None))]
+    fn text(&self, tp_rank: Option<i64>, dcp_rank: Option<i64>) -> PyResult<String> {
+        let tp = tp_rank.map(|r| non_negative("tp_rank", r)).transpose()?;
+        let dcp = dcp_rank.map(|r| non_negative("dcp_rank", r)).transpose()?;
+        Ok(self.inner.text_with(tp.unwrap_or(self.inner.tp_rank), dcp.unwrap_or(self.inner.dcp_rank)))
     }
 
     fn __str__(&self) -> String {
@@ -827,9 +825,9 @@ impl KeyPlanner {
         let exists = extract_exists(exists)?;
         let slices = hash_slices(&hashes);
         let inner = &self.inner;
-        let plan = py.detach(|| {
-            inner.plan_tail(&slices, &tables, &handoffs, offset, &|k| exists.contains(k))
-        });
+        let plan = py
+            .detach(|| inner.plan_tail(&slices, &tables, &handoffs, offset, &|k| exists.contains(k)))
+            .map_err(value_error)?;
         Ok(TailPlan { outcome: plan.outcome.name(), boundary: plan.boundary, puts: transfers(plan.puts) })
     }
 

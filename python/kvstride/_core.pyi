@@ -89,8 +89,9 @@ class Namespace:
         dcp_rank: int = 0,
         pp_rank: int = 0,
     ) -> None: ...
-    def text(self, tp_rank: Optional[int] = None) -> str:
-        """The namespace string, optionally with another key tp_rank."""
+    def text(self, tp_rank: Optional[int] = None, dcp_rank: Optional[int] = None) -> str:
+        """The namespace string, optionally with another key tp_rank / dcp_rank. Empty
+        cache_prefix / fingerprint are left out, as vLLM does."""
 
 def layout_fingerprint(description: dict) -> str:
     """16 hex chars: SHA-256 of the canonical CBOR of a description of the deployment

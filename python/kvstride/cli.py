@@ -1,0 +1,212 @@
+"""The ``kvstride`` command: ``explain`` a group mix, ``simulate`` a chat workload through the
+offload engine, ``bench`` the core and data plane."""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+from typing import List, Optional, Sequence
+
+from kvstride import _core
+from kvstride.mixes import PRESETS, Mix, format_groups, resolve_mix
+
+
+def _mix_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--preset",
+        choices=sorted(PRESETS),
+        help="a named group mix (default: llama)",
+    )
+    parser.add_argument(
+        "--groups",
+        help='group mix as text, e.g. "full_attention:16,mamba:64,circular_buffer:4" '
+        "(settings per group: :window=N :mode=align|all|none :cacheable=true|false :heads=N)",
+    )
+    parser.add_argument("--prefix-match-unit", type=int, default=None, help="hash block size H override")
+    parser.add_argument("--dcp", type=int, default=1, help="decode context parallel size")
+    parser.add_argument("--algo", default="sha256_cbor", choices=list(_core.HASH_ALGOS))
+    parser.add_argument("--seed", default="0", help="hash seed (vLLM: PYTHONHASHSEED)")
+    parser.add_argument("--model", default="demo-model", help="model name in the key namespace")
+
+
+# ---- explain -------------------------------------------------------------------------------
+
+
+def _try_resolve(groups, unit, dcp):
+    try:
+        return _core.resolve_block_sizes(list(groups), prefix_match_unit=unit, dcp=dcp), None
+    except ValueError as err:
+        return None, str(err)
+
+
+def _with(group, **changes):
+    fields = dict(
+        window=group.window,
+        mamba_mode=group.mamba_mode,
+        prefix_cacheable=group.prefix_cacheable,
+        num_kv_heads=group.num_kv_heads,
+    )
+    fields.update(changes)
+    kind = changes.pop("kind", group.kind)
+    block_size = fields.pop("block_size", group.block_size)
+    return _core.GroupSpec(kind, block_size, **fields)
+
+
+def nearest_working_mixes(groups, unit, dcp, limit: int = 5) -> List[tuple]:
+    """Small edits of a mix that cannot be keyed, each checked with the core:
+    ``(description, groups, prefix_match_unit, (S, H))``."""
+    candidates = []
+    non_align = [i for i, g in enumerate(groups) if g.kind == "mamba" and g.mamba_mode != "align"]
+    if non_align:
+        edited = [_with(g, mamba_mode="align") if i in non_align else g for i, g in enumerate(groups)]
+        names = ", ".join(f"group {i}" for i in non_align)
+        candidates.append((f"set mamba mode align on {names}", edited, unit))
+    for i, g in enumerate(groups):
+        if g.prefix_cacheable and sum(x.prefix_cacheable for x in groups) > 1:
+            edited = [_with(x, prefix_cacheable=False) if j == i else x for j, x in enumerate(groups)]
+            candidates.append((f"mark group {i} ({g.kind}) prefix_cacheable=False", edited, unit))
+    if unit is not None:
+        candidates.append(("drop --prefix-match-unit (H = gcd of the block sizes)", list(groups), None))
+    # Resize one group to the nearest block size that shares a unit with the others.
+    for i, g in enumerate(groups):
+        others = [x for j, x in enumerate(groups) if j != i and x.prefix_cacheable]
+        if not others:
+            continue
+        per_token = 1 if g.kind == "mamba" else dcp
+        step = 0
+        for x in others:
+            step = math.gcd(step, x.block_size if x.kind == "mamba" else x.block_size * dcp)
+        if unit:
+            step = math.lcm(step, unit) if step % unit else step
+        for size in sorted({max(step, g.block_size * per_token // step * step), -(-g.block_size * per_token // step) * step}):
+            if size % per_token or size // per_token == g.block_size:
+                continue
+            edited = [_with(x, block_size=size // per_token) if j == i else x for j, x in enumerate(groups)]
+            candidates.append((f"resize group {i} ({g.kind}) to {size // per_token} tokens", edited, unit))
+    working = []
+    for description, edited, edited_unit in candidates:
+        sizes, _ = _try_resolve(edited, edited_unit, dcp)
+        if sizes is not None:
+            working.append((description, edited, edited_unit, sizes))
+    return working[:limit]
+
+
+def _participation_reason(group, takes_part: bool, any_cacheable: bool) -> str:
+    if takes_part:
+        return "prefix-cacheable" if group.prefix_cacheable else "no group is prefix-cacheable: all take part"
+    if group.kind == "circular_buffer":
+        return "per-request scratch ring: never prefix-cacheable, skipped everywhere"
+    return "prefix_cacheable=False: skipped everywhere"
+
+
+def explain(mix: Mix, args, out=sys.stdout) -> int:
+    groups, unit, dcp = list(mix.groups), mix.prefix_match_unit, args.dcp
+    print(f"mix: {mix.name}  --groups \"{format_groups(groups)}\"", file=out)
+    if mix.note:
+        print(f"     {mix.note}", file=out)
+    if unit:
+        print(f"     prefix_match_unit={unit}", file=out)
+    sizes, error = _try_resolve(groups, unit, dcp)
+    if sizes is None:
+        print("\nthis mix cannot be keyed:\n  " + error, file=out)
+        working = nearest_working_mixes(groups, unit, dcp)
+        if working:
+            print("\nnearest mixes that work:", file=out)
+            for description, edited, edited_unit, (s, h) in working:
+                flag = f" --prefix-match-unit {edited_unit}" if edited_unit else ""
+                print(f"  - {description}: S={s} H={h}", file=out)
+                print(f"      kvstride explain --groups \"{format_groups(edited)}\"{flag}", file=out)
+        return 2
+    s, h = sizes
+    per_block = _core.hashes_per_block(groups, h, dcp=dcp)
+    planner = _core.KeyPlanner(
+        groups,
+        hash_block_size=h,
+        scheduler_block_size=s,
+        namespace=_core.Namespace(
+            args.model,
+            fingerprint=_core.layout_fingerprint(
+                {"groups": format_groups(groups), "S": s, "H": h, "algo": args.algo, "seed": args.seed, "dcp": dcp}
+            ),
+        ),
+        dcp=dcp,
+    )
+    any_cacheable = any(g.prefix_cacheable for g in groups)
+    print(f"\nS = {s}  scheduler block: the lcm of the effective block sizes", file=out)
+    print(f"H = {h}  hash block: tokens per chained hash", file=out)
+    print(
+        f"partial hits: {'on' if planner.partial_hits else 'off'}; "
+        f"lookups and tail boundaries land on multiples of {planner.alignment} tokens",
+        file=out,
+    )
+    print("\n  #  kind             block  effective  hashes/block  takes part", file=out)
+    for i, g in enumerate(groups):
+        eff = g.block_size if g.kind == "mamba" else g.block_size * dcp
+        takes = per_block[i] > 0
+        extra = f" window={g.window}" if g.window else ""
+        extra += f" mode={g.mamba_mode}" if g.kind == "mamba" else ""
+        print(
+            f"  {i}  {g.kind:<15}  {g.block_size:>5}  {eff:>9}  {per_block[i]:>12}  "
+            f"{'yes' if takes else 'no '} ({_participation_reason(g, takes, any_cacheable)}){extra}",
+            file=out,
+        )
+    skipped = [i for i in range(len(groups)) if per_block[i] == 0]
+    for i in skipped:
+        g = groups[i]
+        eff = g.block_size if g.kind == "mamba" else g.block_size * dcp
+        if eff % h:
+            print(
+                f"\nvLLM note: group {i} ({g.kind}, {eff} tokens) is not a multiple of H={h}. vLLM's "
+                f"OffloadingConnector asserts 'tokens_per_block={eff} not divisible by tokens_per_hash={h}' "
+                "at boot (before PR 55037), then hits islice(step=0) on the first request (before PR 55034). "
+                "kvstride gives it 0 hashes per block and never keys, stores, looks up or loads it.",
+                file=out,
+            )
+    hasher = _core.BlockHasher(args.algo, seed=args.seed)
+    tokens = list(range(1, 2 * s + 1))
+    hashes = hasher.hash_blocks(tokens, h)
+    tables = [list(range(1, 2 * s // (g.block_size if g.kind == "mamba" else g.block_size * dcp) + 1)) for g in groups]
+    plan = planner.plan_save(hashes, tables, len(tokens))
+    print(f"\nsample keys: a {len(tokens)}-token request ({args.algo}, seed {args.seed!r})", file=out)
+    shown = {}
+    for key, group, block_id in plan.puts:
+        if shown.get(group, 0) < 2:
+            shown[group] = shown.get(group, 0) + 1
+            print(f"  group {group} block {block_id}: {key}", file=out)
+    for i, g in enumerate(groups):
+        if per_block[i] and g.kind == "mamba":
+            print(
+                f"  group {i} (mamba): stored only from the scheduler's boundary hand-offs "
+                "(its block table is never read positionally)",
+                file=out,
+            )
+    return 0
+
+
+# ---- entry point -----------------------------------------------------------------------------
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kvstride", description=__doc__)
+    commands = parser.add_subparsers(dest="command", required=True)
+    explain_parser = commands.add_parser("explain", help="S, H, participation and keys of a group mix")
+    _mix_arguments(explain_parser)
+    return parser
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        mix = resolve_mix(args.preset, args.groups, args.prefix_match_unit)
+    except ValueError as err:
+        parser.error(str(err))
+    if args.command == "explain":
+        return explain(mix, args)
+    parser.error(f"unknown command {args.command}")
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
