@@ -455,16 +455,17 @@ class Namespace:
         self.dcp_rank = _non_negative_int("dcp_rank", dcp_rank)
         self.pp_rank = _non_negative_int("pp_rank", pp_rank)
 
-    def text(self, tp_rank: Optional[int] = None) -> str:
-        """The namespace string, optionally with another key tp_rank."""
+    def text(self, tp_rank: Optional[int] = None, dcp_rank: Optional[int] = None) -> str:
+        """The namespace string, optionally with another key tp_rank / dcp_rank."""
         t = self.tp_rank if tp_rank is None else _non_negative_int("tp_rank", tp_rank)
+        d = self.dcp_rank if dcp_rank is None else _non_negative_int("dcp_rank", dcp_rank)
         out = ""
         if self.cache_prefix:  # vLLM: [cache_prefix + "@"] only when the prefix is non-empty
             out += f"{self.cache_prefix}@"
         out += self.model
         if self.fingerprint:
             out += f"@fp:{self.fingerprint}"
-        out += f"@tp_rank:{t}@pcp{self.pcp_rank}@dcp{self.dcp_rank}@pp_rank:{self.pp_rank}"
+        out += f"@tp_rank:{t}@pcp{self.pcp_rank}@dcp{d}@pp_rank:{self.pp_rank}"
         return out
 
     def __str__(self) -> str:
@@ -646,6 +647,9 @@ class KeyPlanner:
     def _namespace_text(self, key_tp_rank: int) -> str:
         if isinstance(self._namespace, str):
             return self._namespace  # tp_size == 1 here, so key_tp_rank is 0
+        if self._dcp > 1:
+            # Under DCP every rank keys its own shard, and rank t is dcp rank t % dcp (vLLM).
+            return self._namespace.text(key_tp_rank, dcp_rank=key_tp_rank % self._dcp)
         return self._namespace.text(key_tp_rank)
 
     def _key_in(self, g: int, block_hash: bytes, key_tp_rank: int) -> str:
