@@ -83,14 +83,21 @@ impl std::fmt::Debug for BlockHash {
 
 /// A token id type that CBOR-encodes as an integer (unsigned or negative).
 pub trait TokenId: Copy + Send + Sync {
-    fn write_cbor(self, buf: &mut Vec<u8>);
+    /// The CBOR major type (0 unsigned, 1 negative) and argument of this id.
+    fn cbor_head(self) -> (u8, u64);
+
+    #[inline(always)]
+    fn write_cbor(self, buf: &mut Vec<u8>) {
+        let (major, arg) = self.cbor_head();
+        cbor::write_head(buf, major, arg)
+    }
 }
 
 macro_rules! unsigned_token {
     ($($t:ty),*) => {$(
         impl TokenId for $t {
             #[inline(always)]
-            fn write_cbor(self, buf: &mut Vec<u8>) { cbor::write_head(buf, 0, self as u64) }
+            fn cbor_head(self) -> (u8, u64) { (0, self as u64) }
         }
     )*};
 }
@@ -98,11 +105,11 @@ macro_rules! signed_token {
     ($($t:ty),*) => {$(
         impl TokenId for $t {
             #[inline(always)]
-            fn write_cbor(self, buf: &mut Vec<u8>) {
+            fn cbor_head(self) -> (u8, u64) {
                 if self >= 0 {
-                    cbor::write_head(buf, 0, self as u64)
+                    (0, self as u64)
                 } else {
-                    cbor::write_head(buf, 1, (-1 - self as i64) as u64)
+                    (1, (-1 - self as i64) as u64)
                 }
             }
         }
@@ -182,25 +189,40 @@ impl BlockHasher {
             Some(p) => BlockHash::from_slice(p),
             None => self.none_hash,
         };
-        let mut buf = Vec::with_capacity(48 + block_size * 5);
+        // One buffer sized for the largest block: 0x83, the parent (head + ≤ 32 bytes), the
+        // array head, ≤ 9 bytes per token, then 8 bytes of slack for `put_head`'s word writes
+        // and the extra keys (`f6` or grown below for a longer array).
+        let mut buf = vec![0u8; 1 + 2 + 32 + 9 + 9 * block_size + 9];
+        let mut extra_buf = Vec::new();
         for (i, block) in tokens.chunks_exact(block_size).enumerate() {
-            buf.clear();
-            buf.push(0x83);
-            cbor::write_bytes(&mut buf, parent.as_ref());
-            cbor::write_head(&mut buf, 4, block_size as u64);
+            let p = parent.as_ref();
+            buf[0] = 0x83;
+            let mut pos = cbor::put_head(&mut buf, 1, 2, p.len() as u64);
+            buf[pos..pos + p.len()].copy_from_slice(p);
+            pos = cbor::put_head(&mut buf, pos + p.len(), 4, block_size as u64);
             for &token in block {
-                token.write_cbor(&mut buf);
+                let (major, arg) = token.cbor_head();
+                pos = cbor::put_head(&mut buf, pos, major, arg);
             }
             match extra.and_then(|e| e[i].as_ref()) {
-                None => buf.push(0xf6),
+                None => {
+                    buf[pos] = 0xf6;
+                    pos += 1;
+                }
                 Some(items) => {
-                    cbor::write_head(&mut buf, 4, items.len() as u64);
+                    extra_buf.clear();
+                    cbor::write_head(&mut extra_buf, 4, items.len() as u64);
                     for item in items {
-                        cbor::write_value(&mut buf, item);
+                        cbor::write_value(&mut extra_buf, item);
                     }
+                    if buf.len() < pos + extra_buf.len() + 9 {
+                        buf.resize(pos + extra_buf.len() + 9, 0);
+                    }
+                    buf[pos..pos + extra_buf.len()].copy_from_slice(&extra_buf);
+                    pos += extra_buf.len();
                 }
             }
-            parent = self.algo.digest(&buf);
+            parent = self.algo.digest(&buf[..pos]);
             out.push(parent);
         }
         Ok(out)

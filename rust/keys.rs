@@ -13,11 +13,27 @@ pub fn hex(bytes: &[u8]) -> String {
     out
 }
 
+/// Both hex digits of every byte value.
+static HEX_PAIRS: [[u8; 2]; 256] = {
+    let mut table = [[0u8; 2]; 256];
+    let mut i = 0;
+    while i < 256 {
+        table[i] = [HEX[i >> 4], HEX[i & 0xf]];
+        i += 1;
+    }
+    table
+};
+
 #[inline]
 pub fn push_hex(out: &mut String, bytes: &[u8]) {
-    for &b in bytes {
-        out.push(HEX[(b >> 4) as usize] as char);
-        out.push(HEX[(b & 0xf) as usize] as char);
+    // Through a stack buffer: `String::push(char)` per digit costs several times more.
+    let mut digits = [0u8; 64];
+    for chunk in bytes.chunks(32) {
+        for (pair, &b) in digits.chunks_exact_mut(2).zip(chunk) {
+            pair.copy_from_slice(&HEX_PAIRS[b as usize]);
+        }
+        // SAFETY: every byte comes from HEX_PAIRS, i.e. is an ASCII hex digit.
+        out.push_str(unsafe { std::str::from_utf8_unchecked(&digits[..2 * chunk.len()]) });
     }
 }
 

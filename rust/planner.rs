@@ -482,18 +482,27 @@ impl KeyPlanner {
 
     /// The key strings of `lookup_candidates`, each in every TP namespace some rank loads.
     pub fn lookup_keys<H: AsRef<[u8]>>(&self, hashes: &[H], num_tokens: u64) -> Vec<String> {
-        let candidates = self.lookup_candidates(hashes.len(), num_tokens);
         let mut keys = Vec::new();
-        for c in candidates {
+        self.for_each_lookup_key(hashes, num_tokens, |key| keys.push(key.to_owned()));
+        keys
+    }
+
+    /// `lookup_keys` one at a time through a reused buffer (no allocation per key).
+    pub fn for_each_lookup_key<H: AsRef<[u8]>>(
+        &self,
+        hashes: &[H],
+        num_tokens: u64,
+        mut f: impl FnMut(&str),
+    ) {
+        let mut key = String::with_capacity(256);
+        for c in self.lookup_candidates(hashes.len(), num_tokens) {
             for prefix in &self.lookup_prefixes[c.group] {
-                let hash = hashes[c.hash_index].as_ref();
-                let mut key = String::with_capacity(prefix.len() + hash.len() * 2);
+                key.clear();
                 key.push_str(prefix);
-                push_hex(&mut key, hash);
-                keys.push(key);
+                push_hex(&mut key, hashes[c.hash_index].as_ref());
+                f(&key);
             }
         }
-        keys
     }
 
     /// How many keys each candidate expands to (one per key TP rank of its group).

@@ -831,17 +831,20 @@ impl KeyPlanner {
         Ok(TailPlan { outcome: plan.outcome.name(), boundary: plan.boundary, puts: transfers(plan.puts) })
     }
 
-    fn lookup_keys(
+    fn lookup_keys<'py>(
         &self,
-        py: Python<'_>,
-        block_hashes: &Bound<'_, PyAny>,
+        py: Python<'py>,
+        block_hashes: &Bound<'py, PyAny>,
         num_tokens: i64,
-    ) -> PyResult<Vec<String>> {
+    ) -> PyResult<Bound<'py, PyList>> {
         let hashes = extract_hashes(block_hashes)?;
         let n = non_negative("num_tokens", num_tokens)?;
         let slices = hash_slices(&hashes);
-        let inner = &self.inner;
-        Ok(py.detach(|| inner.lookup_keys(&slices, n)))
+        // Straight into Python str objects: no Rust String per key (this is the hot path of
+        // every scheduler lookup, and the work is a few ns per key, so the GIL stays held).
+        let mut keys = Vec::new();
+        self.inner.for_each_lookup_key(&slices, n, |key| keys.push(PyString::new(py, key)));
+        PyList::new(py, keys)
     }
 
     fn longest_hit(

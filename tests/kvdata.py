@@ -130,3 +130,49 @@ MIXES = {
     "mamba_raw_pages": mamba_raw_pages,
     "gemma_like": gemma_like,
 }
+
+
+def key_of(g: int, b: int, tag: str = "") -> str:
+    return f"test{tag}@g{g}@b{b}"
+
+
+def save_load_round_trip(store, mix: str, *, tag: str = "", seed: int = 0, per_group: int = 4):
+    """Save blocks of ``mix`` through ``store``, wipe the KV cache, load them back into
+    *other* block ids; return (statuses_put, statuses_get, ok) where ok is byte-exactness."""
+    from kvstride.layout import KVLayout
+    from kvstride.transfer import StagingPool, Transfer
+
+    kv, groups = MIXES[mix]()
+    layout = KVLayout(kv, groups)
+    fill_random(layout.storages, seed)
+    ng = len(layout.groups)
+    src, dst = [], []
+    for g in layout.groups:
+        ids = [b for b in range(g.num_blocks) if b % ng == g.group]
+        k = min(per_group, len(ids) // 2)
+        src += [(g.group, b) for b in ids[:k]]
+        dst += [(g.group, b) for b in ids[k : 2 * k]]
+    want = {}
+    for (g, b), (_, d) in zip(src, dst):
+        for name in groups[g]:
+            v = kv[name]
+            for j, t in enumerate([v] if isinstance(v, torch.Tensor) else v):
+                want[(name, j, d)] = block_bytes_of(t, b)
+    pool = StagingPool(16 << 20)
+    store.register_buffer(pool.ptr, pool.capacity)
+    tr = Transfer(layout, pool)
+    keys = [key_of(g, b, tag) for g, b in src]
+    with tr.stage(src) as batch:
+        tr.gather(batch).wait()
+        put = store.put(keys, batch.all_parts())
+    for s in layout.storages:
+        s.zero_()
+    with tr.stage(dst) as batch:
+        got = store.get(keys, batch.all_parts())
+        tr.scatter(batch, ok=[s.value == "ok" for s in got]).wait()
+    ok = True
+    for (name, j, d), w in want.items():
+        v = kv[name]
+        t = v if isinstance(v, torch.Tensor) else v[j]
+        ok &= bool(torch.equal(block_bytes_of(t, d), w))
+    return put, got, ok

@@ -14,7 +14,7 @@ from kvstride.stores import MooncakeStore, start_master
 def mooncake_master():
     """One master per test module, on free loopback ports; short read leases so that tests
     are not blocked by the 10 s default."""
-    m = start_master(lease_ttl_ms=300)
+    m = start_master(lease_ttl_ms=1000)
     try:
         yield m
     finally:
@@ -24,7 +24,7 @@ def mooncake_master():
 @pytest.fixture
 def fresh_master():
     """A master of the test's own (tests that kill or fill it)."""
-    m = start_master(lease_ttl_ms=300)
+    m = start_master(lease_ttl_ms=1000)
     try:
         yield m
     finally:

@@ -184,6 +184,45 @@ def explain(mix: Mix, args, out=sys.stdout) -> int:
     return 0
 
 
+# ---- simulate ----------------------------------------------------------------------------
+
+
+def simulate(mix: Mix, args) -> int:
+    import json
+
+    from kvstride.simulate import SimConfig, plot, print_table, run_simulation
+
+    sizes, error = _try_resolve(mix.groups, mix.prefix_match_unit, args.dcp)
+    if sizes is None:
+        print(f"kvstride simulate: this mix cannot be keyed: {error}\n(run kvstride explain for mixes that work)", file=sys.stderr)
+        return 2
+    cfg = SimConfig(
+        mix=mix,
+        conversations=args.conversations,
+        turns=args.turns,
+        system_tokens=args.system_tokens,
+        user_tokens=args.user_tokens,
+        reply_tokens=args.reply_tokens,
+        token_bytes=args.token_bytes,
+        state_bytes=args.state_bytes,
+        store=args.store,
+        store_bytes=args.store_mb << 20,
+        algo=args.algo,
+        seed=int(args.seed) if str(args.seed).isdigit() else 0,
+        dcp=args.dcp,
+        fault_every=args.fault_every,
+        progress=not args.json and not args.quiet,
+    )
+    result = run_simulation(cfg)
+    if args.plot:
+        plot(result, args.plot)
+    if args.json:
+        print(json.dumps(result))
+    else:
+        print_table(result)
+    return 0 if result["verified"] else 1
+
+
 # ---- entry point -----------------------------------------------------------------------------
 
 
@@ -192,6 +231,21 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True)
     explain_parser = commands.add_parser("explain", help="S, H, participation and keys of a group mix")
     _mix_arguments(explain_parser)
+    sim = commands.add_parser("simulate", help="replay a multi-turn chat workload through the offload engine")
+    _mix_arguments(sim)
+    sim.add_argument("--store", default="embedded", help="embedded | mooncake (starts a master on loopback) | mooncake://HOST:PORT")
+    sim.add_argument("--conversations", type=int, default=8)
+    sim.add_argument("--turns", type=int, default=4)
+    sim.add_argument("--system-tokens", type=int, default=2048, help="shared system prompt length")
+    sim.add_argument("--user-tokens", type=int, default=300, help="tokens each user message adds")
+    sim.add_argument("--reply-tokens", type=int, default=200, help="tokens each reply adds")
+    sim.add_argument("--token-bytes", type=int, default=64, help="KV bytes per token per attention group")
+    sim.add_argument("--state-bytes", type=int, default=16384, help="bytes of one Mamba state")
+    sim.add_argument("--store-mb", type=int, default=1024, help="store capacity (MiB)")
+    sim.add_argument("--fault-every", type=int, default=0, help="every N turns corrupt values, restart or evict the store")
+    sim.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
+    sim.add_argument("--plot", metavar="FILE.png", help="draw hit rate and throughput per turn")
+    sim.add_argument("--quiet", action="store_true", help="no progress bar")
     return parser
 
 
@@ -204,6 +258,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         parser.error(str(err))
     if args.command == "explain":
         return explain(mix, args)
+    if args.command == "simulate":
+        return simulate(mix, args)
     parser.error(f"unknown command {args.command}")
     return 2
 

@@ -537,6 +537,8 @@ def _status_of(rc: int, op: str) -> Status:
         return Status.MISSING
     if rc == -705:
         return Status.OK  # already exists: puts are idempotent
+    if rc == -707:
+        return Status.MISSING  # LEASE_EXPIRED: the read lease ran out mid-transfer; the bytes may be gone
     if rc in _RPC_CODES or rc == -800 or rc == -1000:
         return Status.UNAVAILABLE
     if rc == -600:
@@ -788,6 +790,8 @@ class MooncakeStore(KVStore):
                             corrupt.append(keys[i])
                 elif st is Status.CORRUPT:
                     why = f"code {rc} (value larger than the destination)"
+                elif rc == -800 and self._size_differs(keys[i], HEADER_BYTES + sum(n for _, n in regs[i])):
+                    st, why = Status.CORRUPT, "code -800 and a stored size other than expected"
                 if st is not Status.OK:
                     self._note("get", st, 0, f"{keys[i]!r}: {why or f'code {rc}'}")
                 out[i] = st
@@ -801,6 +805,20 @@ class MooncakeStore(KVStore):
         for s in out:
             self._note("get", s, 1, "")
         return out
+
+    def _size_differs(self, key: str, want: int) -> bool:
+        """A value smaller than its destination fails as TRANSFER_FAIL (-800), like a dead
+        holder; tell them apart by the stored size (failure path only)."""
+        c = self._enter("get", 1)
+        if c is None:
+            return False
+        try:
+            size = c.get_size(key)
+        except Exception:
+            return False
+        finally:
+            self._leave()
+        return size >= 0 and size != want
 
     def _remove(self, keys) -> None:
         """Best effort: drop values that failed verification so that a later put rewrites them."""

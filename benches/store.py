@@ -1,0 +1,131 @@
+"""Data-plane bench: kvstride store put/get vs raw Mooncake batch calls on the same buffers,
+and the embedded store's GB/s.
+
+    python benches/store.py [--keys 128] [--value-kib 512] [--reps 9] [--threads 1]
+
+One process, one master on loopback (started here), the client owns a segment (Mooncake then
+copies with memcpy, no TCP).  Values are staged blocks of 2 parts.  Baseline:
+``batch_put_from_multi_buffers`` / ``batch_get_into_multi_buffers`` with the same parts and
+fresh keys, no header, no hash.  kvstride adds a 64-byte header part and (verify=on) an XXH3
+of the payload on put and on get.  Ratio = raw time / kvstride time (goal >= 0.95).
+"""
+
+import argparse
+import os
+import platform
+import statistics
+import time
+
+import numpy as np
+
+from _dataplane import load
+
+stores = load("stores")
+
+
+def med(ts):
+    return statistics.median(ts)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--keys", type=int, default=128)
+    ap.add_argument("--value-kib", type=int, default=512)
+    ap.add_argument("--reps", type=int, default=9)
+    a = ap.parse_args()
+    n, size = a.keys, a.value_kib * 1024
+    half = size // 2
+    rng = np.random.default_rng(0)
+    src = rng.integers(0, 256, n * size, dtype=np.uint8)
+    dst = np.zeros(n * size, dtype=np.uint8)
+    parts_src = [[(src.ctypes.data + i * size, half), (src.ctypes.data + i * size + half, half)] for i in range(n)]
+    parts_dst = [[(dst.ctypes.data + i * size, half), (dst.ctypes.data + i * size + half, half)] for i in range(n)]
+    total = n * size
+    rows = []
+
+    master = stores.start_master()
+    try:
+        seg = 4 * total + (64 << 20)
+        ms = {v: stores.MooncakeStore(master, segment_bytes=seg, verify=v, fingerprint=b"benchfp0") for v in (True, False)}
+        raw = ms[True].client
+        for s in ms.values():
+            s.register_buffer(src.ctypes.data, src.nbytes)
+            s.register_buffer(dst.ctypes.data, dst.nbytes)
+        it = [0]
+
+        def keys(tag):
+            it[0] += 1
+            return [f"{tag}-{it[0]}-{i}" for i in range(n)]
+
+        def cleanup(ks):
+            raw.batch_remove(ks, True)
+
+        res = {}
+        for _ in range(a.reps):
+            for name in ("raw", "verify=on", "verify=off"):
+                ks = keys(name)
+                ptrs = [[p for p, _ in ps] for ps in parts_src]
+                sz = [[s for _, s in ps] for ps in parts_src]
+                t = time.perf_counter()
+                if name == "raw":
+                    rc = raw.batch_put_from_multi_buffers(ks, ptrs, sz)
+                    assert all(x == 0 for x in rc), rc[:4]
+                else:
+                    st = ms[name == "verify=on"].put(ks, parts_src)
+                    assert all(x is stores.Status.OK for x in st)
+                tp = time.perf_counter() - t
+                dptrs = [[p for p, _ in ps] for ps in parts_dst]
+                t = time.perf_counter()
+                if name == "raw":
+                    rc = raw.batch_get_into_multi_buffers(ks, dptrs, sz)
+                    assert all(x == size for x in rc), rc[:4]
+                else:
+                    st = ms[name == "verify=on"].get(ks, parts_dst)
+                    assert all(x is stores.Status.OK for x in st)
+                tg = time.perf_counter() - t
+                assert np.array_equal(src[:size], dst[:size])
+                res.setdefault(name, ([], []))
+                res[name][0].append(tp)
+                res[name][1].append(tg)
+                cleanup(ks)
+        rp, rg = med(res["raw"][0]), med(res["raw"][1])
+        for name in ("raw", "verify=on", "verify=off"):
+            p, g = med(res[name][0]), med(res[name][1])
+            rows.append((f"Mooncake put ({name})", p, rp / p))
+            rows.append((f"Mooncake get ({name})", g, rg / g))
+        t = time.perf_counter()
+        exists = ms[True].exists(keys("nokey"))
+        rows.append((f"Mooncake exists ({n} keys, one batch_is_exist)", time.perf_counter() - t, None))
+        for s in ms.values():
+            s.close()
+    finally:
+        master.stop()
+
+    for v in (True, False):
+        es = stores.EmbeddedStore(4 * total, verify=v)
+        tp, tg = [], []
+        for r in range(a.reps):
+            ks = [f"e{r}-{i}" for i in range(n)]
+            t = time.perf_counter()
+            es.put(ks, parts_src)
+            tp.append(time.perf_counter() - t)
+            t = time.perf_counter()
+            st = es.get(ks, parts_dst)
+            tg.append(time.perf_counter() - t)
+            assert all(x is stores.Status.OK for x in st)
+            es.remove(ks)
+        rows.append((f"Embedded put (verify={'on' if v else 'off'})", med(tp), None))
+        rows.append((f"Embedded get (verify={'on' if v else 'off'})", med(tg), None))
+
+    print(f"machine: {platform.machine()}, {os.cpu_count()} cores, loopback, in-process segment (memcpy)")
+    print(f"{n} keys x {size // 1024} KiB (2 parts each) = {total / 2**20:.0f} MiB per op, median of {a.reps}")
+    print()
+    print("| op | median | GB/s | ratio vs raw Mooncake |")
+    print("|---|---|---|---|")
+    for name, tm, ratio in rows:
+        gbs = "" if "exists" in name else f"{total / tm / 1e9:.2f}"
+        print(f"| {name} | {tm * 1e3:.2f} ms | {gbs} | {'' if ratio is None else f'{ratio:.3f}'} |")
+
+
+if __name__ == "__main__":
+    main()

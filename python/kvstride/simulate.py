@@ -1,0 +1,425 @@
+"""``kvstride simulate``: a multi-turn, shared-prefix chat workload through a simulated hybrid
+KV cache (real torch tensors per group, a block allocator) and the offload engine.
+
+Each turn's prefill writes deterministic content into the request's blocks (a function of the
+group and of the token prefix, so any two requests sharing a prefix write identical bytes)
+and offloads it; later turns look up, load hits into fresh blocks pre-filled with garbage, and
+check every loaded byte against what a recompute would have written.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import statistics
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional
+
+import torch
+
+from kvstride import _core
+from kvstride.engine import LoadRequest, OffloadEngine, SaveRequest
+from kvstride.layout import KVLayout
+from kvstride.mixes import Mix, format_groups
+from kvstride.stores import EmbeddedStore, MooncakeStore, start_master
+from kvstride.transfer import StagingPool, Transfer
+
+GARBAGE = 0xA5
+
+
+@dataclass
+class SimConfig:
+    mix: Mix
+    conversations: int = 8
+    turns: int = 4
+    system_tokens: int = 2048
+    user_tokens: int = 300
+    reply_tokens: int = 200
+    token_bytes: int = 64  # KV bytes per token per attention group
+    state_bytes: int = 16384  # bytes of one Mamba state
+    store: str = "embedded"
+    store_bytes: int = 1 << 30
+    algo: str = "sha256_cbor"
+    seed: int = 0
+    dcp: int = 1
+    fault_every: int = 0
+    progress: bool = True
+
+
+@dataclass
+class Conversation:
+    req_id: str
+    tokens: List[int]
+    hashes: List[bytes] = field(default_factory=list)
+
+
+class BlockAllocator:
+    """Free lists of block ids per group; id 0 is vLLM's NULL block, never handed out."""
+
+    def __init__(self, num_blocks: List[int]) -> None:
+        self.free = [list(range(n - 1, 0, -1)) for n in num_blocks]
+
+    def allocate(self, group: int, count: int) -> List[int]:
+        if count > len(self.free[group]):
+            raise RuntimeError(f"group {group}: out of simulated KV blocks (need {count})")
+        return [self.free[group].pop() for _ in range(count)]
+
+    def release(self, group: int, ids: List[int]) -> None:
+        self.free[group].extend(i for i in ids if i)
+
+
+class SimulatedCache:
+    """One KV tensor per group: ``(blocks, block_size, token_bytes)`` for attention kinds,
+    ``(blocks, state_bytes)`` for Mamba state."""
+
+    def __init__(self, groups, num_blocks: List[int], cfg: SimConfig, hash_block_size: int) -> None:
+        self.groups = groups
+        self.cfg = cfg
+        self.h = hash_block_size
+        self.tensors = []
+        for g, spec in enumerate(groups):
+            if spec.kind == "mamba":
+                shape = (num_blocks[g], cfg.state_bytes)
+            else:
+                shape = (num_blocks[g], spec.block_size * cfg.dcp, cfg.token_bytes)
+            self.tensors.append(torch.full(shape, GARBAGE, dtype=torch.uint8))
+        names = [f"group{g}" for g in range(len(groups))]
+        self.layout = KVLayout(dict(zip(names, self.tensors)), [[n] for n in names])
+
+    def block_tokens(self, g: int) -> int:
+        spec = self.groups[g]
+        return spec.block_size if spec.kind == "mamba" else spec.block_size * self.cfg.dcp
+
+    @staticmethod
+    def _seed(g: int, block_hash: Optional[bytes]) -> int:
+        base = int.from_bytes(block_hash[:3], "big") if block_hash else 0xFFFFFF
+        return (base ^ (g * 0x9E37)) & 0xFFFFFF
+
+    def expected_rows(self, g: int, hashes: List[bytes], lo: int, hi: int) -> torch.Tensor:
+        """What a prefill writes for token positions [lo, hi) of group g: (hi - lo, bytes)."""
+        positions = torch.arange(lo, hi, dtype=torch.int64)
+        chunk = positions // self.h
+        seeds = torch.tensor(
+            [self._seed(g, hashes[j] if j < len(hashes) else None) for j in range(lo // self.h, (hi - 1) // self.h + 1)],
+            dtype=torch.int64,
+        )
+        seed = seeds[chunk - lo // self.h]
+        lanes = torch.arange(self.cfg.token_bytes, dtype=torch.int64)
+        mixed = (seed[:, None] + (positions % self.h)[:, None] * 7919 + lanes[None, :] * 104729) * 2654435761
+        return ((mixed >> 16) & 0xFF).to(torch.uint8)
+
+    def expected_state(self, g: int, block_hash: bytes) -> torch.Tensor:
+        lanes = torch.arange(self.cfg.state_bytes, dtype=torch.int64)
+        mixed = (self._seed(g, block_hash) + lanes * 104729 + 77) * 2654435761
+        return ((mixed >> 16) & 0xFF).to(torch.uint8)
+
+    def write_tokens(self, g: int, table: List[int], hashes: List[bytes], lo: int, hi: int) -> None:
+        if hi <= lo:
+            return
+        b = self.block_tokens(g)
+        positions = torch.arange(lo, hi)
+        blocks = torch.tensor(table, dtype=torch.int64)[positions // b]
+        self.tensors[g][blocks, positions % b] = self.expected_rows(g, hashes, lo, hi)
+
+    def wrong_bytes_tokens(self, g: int, block_id: int, block_index: int, hashes, hit: int) -> int:
+        b = self.block_tokens(g)
+        lo, hi = block_index * b, min((block_index + 1) * b, hit)
+        got = self.tensors[g][block_id, : hi - lo]
+        return int((got != self.expected_rows(g, hashes, lo, hi)).sum())
+
+
+def _percentile(values: List[float], q: float) -> float:
+    if not values:
+        return 0.0
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(round(q * (len(ordered) - 1))))]
+
+
+class Simulation:
+    def __init__(self, cfg: SimConfig) -> None:
+        self.cfg = cfg
+        groups = list(cfg.mix.groups)
+        self.groups = groups
+        self.s, self.h = _core.resolve_block_sizes(groups, prefix_match_unit=cfg.mix.prefix_match_unit, dcp=cfg.dcp)
+        self.hasher = _core.BlockHasher(cfg.algo, seed=str(cfg.seed))
+        self.rng = random.Random(cfg.seed)
+        self.max_tokens = cfg.system_tokens + cfg.turns * (cfg.user_tokens + cfg.reply_tokens) + self.s
+        num_blocks = []
+        for g in groups:
+            size = g.block_size if g.kind == "mamba" else g.block_size * cfg.dcp
+            # Every conversation's table plus one copy-on-write block per conversation.
+            num_blocks.append(cfg.conversations * (-(-self.max_tokens // size) + 2) + 2)
+        self.cache = SimulatedCache(groups, num_blocks, cfg, self.h)
+        self.allocator = BlockAllocator(num_blocks)
+        fingerprint = _core.layout_fingerprint(
+            {"groups": format_groups(groups), "S": self.s, "H": self.h, "algo": cfg.algo, "seed": cfg.seed, "dcp": cfg.dcp}
+        )
+        self.planner = _core.KeyPlanner(
+            groups,
+            hash_block_size=self.h,
+            scheduler_block_size=self.s,
+            namespace=_core.Namespace("kvstride-simulate", fingerprint=fingerprint),
+            dcp=cfg.dcp,
+        )
+        self.master = None
+        self.store = self._open_store()
+        pool_bytes = max(64 << 20, 4 * max(self.cache.layout.block_bytes(g) for g in range(len(groups))))
+        self.pool = StagingPool(pool_bytes)
+        if isinstance(self.store, MooncakeStore):
+            self.pool.register(self.store.register_buffer)
+        self.transfer = Transfer(self.cache.layout, self.pool)
+        self.engine = OffloadEngine(self.planner, self.transfer, self.store)
+        self.history: List[dict] = []
+        self.wrong_bytes = 0
+        self.verified_bytes = 0
+        self.faults: Dict[str, int] = {}
+
+    def _open_store(self):
+        cfg = self.cfg
+        fp = self.cache.layout.fingerprint()
+        if cfg.store == "embedded":
+            return EmbeddedStore(cfg.store_bytes, fingerprint=fp)
+        if cfg.store == "mooncake":
+            self.master = start_master()
+            return MooncakeStore(self.master, segment_bytes=cfg.store_bytes, fingerprint=fp)
+        if cfg.store.startswith("mooncake://"):
+            return MooncakeStore(cfg.store[len("mooncake://"):], segment_bytes=cfg.store_bytes, fingerprint=fp)
+        raise ValueError(f"--store {cfg.store!r}: use embedded, mooncake or mooncake://HOST:PORT")
+
+    def close(self) -> None:
+        self.engine.shutdown()
+        self.store.close()
+        if self.master is not None:
+            self.master.stop()
+
+    # ---- workload ------------------------------------------------------------------------
+
+    def _tokens(self, count: int) -> List[int]:
+        return [self.rng.randrange(1, 150_000) for _ in range(count)]
+
+    def _hash_more(self, conv: Conversation) -> None:
+        """Extend the conversation's hash chain over its new full hash blocks."""
+        done = len(conv.hashes) * self.h
+        full = len(conv.tokens) // self.h * self.h
+        if full > done:
+            parent = conv.hashes[-1] if conv.hashes else None
+            conv.hashes.extend(self.hasher.hash_blocks(conv.tokens[done:full], self.h, parent=parent))
+
+    def _inject_fault(self, round_index: int) -> None:
+        kind = ("corrupt", "restart", "evict")[(round_index // self.cfg.fault_every) % 3]
+        store = self.store
+        if kind == "corrupt":
+            victims = store.corrupt_for_testing(self.rng, 8)
+            self.faults["corrupted_values"] = self.faults.get("corrupted_values", 0) + victims
+        elif kind == "restart":
+            store.restart_for_testing(self.master)
+            self.faults["store_restarts"] = self.faults.get("store_restarts", 0) + 1
+        else:
+            store.evict_for_testing(self.rng, 0.5)
+            self.faults["evictions"] = self.faults.get("evictions", 0) + 1
+
+    def run(self) -> dict:
+        cfg = self.cfg
+        system = self._tokens(cfg.system_tokens)
+        convs = [Conversation(f"conv{i}", system + self._tokens(cfg.user_tokens)) for i in range(cfg.conversations)]
+        progress = None
+        if cfg.progress:
+            try:
+                from tqdm import tqdm
+
+                progress = tqdm(total=cfg.turns * cfg.conversations, desc="simulate", unit="req", file=sys.stderr)
+            except ImportError:
+                progress = None
+        started = time.perf_counter()
+        for turn in range(cfg.turns):
+            if cfg.fault_every and turn and turn % cfg.fault_every == 0:
+                self._inject_fault(turn)
+            self._round(turn, convs)
+            if progress is not None:
+                progress.update(len(convs))
+            for conv in convs:
+                conv.tokens += self._tokens(cfg.reply_tokens) + self._tokens(cfg.user_tokens)
+        if progress is not None:
+            progress.close()
+        return self.summary(time.perf_counter() - started)
+
+    def _round(self, turn: int, convs: List[Conversation]) -> None:
+        cfg, planner = self.cfg, self.planner
+        round_start = time.perf_counter()
+        before = dict(self.engine.counters)
+        for conv in convs:
+            self._hash_more(conv)
+        hits = self.engine.lookup([(c.req_id, c.hashes, len(c.tokens)) for c in convs])
+        tables: Dict[str, List[List[int]]] = {}
+        for conv in convs:
+            n = len(conv.tokens)
+            tables[conv.req_id] = [
+                self.allocator.allocate(g, -(-n // self.cache.block_tokens(g))) for g in range(len(self.groups))
+            ]
+            for g, table in enumerate(tables[conv.req_id]):
+                self.cache.tensors[g][table] = GARBAGE
+        loads = [
+            LoadRequest(c.req_id, c.hashes, tables[c.req_id], hits[c.req_id]) for c in convs if hits[c.req_id] > 0
+        ]
+        if loads:
+            self.engine.submit(loads=loads)
+            self.engine.wait_idle()
+        finished = self.engine.get_finished()
+        verified_hits = {}
+        for conv in convs:
+            hit = hits[conv.req_id]
+            if hit and conv.req_id in finished.loads_failed:
+                hit = 0  # recompute: a failed load costs only recomputation
+            if hit:
+                self._verify(conv, tables[conv.req_id], hit)
+            verified_hits[conv.req_id] = hit
+        saves = []
+        cows: Dict[str, List[tuple]] = {}
+        for conv in convs:
+            n, hit, table = len(conv.tokens), verified_hits[conv.req_id], tables[conv.req_id]
+            handoffs = []
+            boundary = min(n, len(conv.hashes) * self.h) // planner.alignment * planner.alignment
+            for g, spec in enumerate(self.groups):
+                if spec.kind == "mamba":
+                    if boundary and planner.hashes_per_block[g]:
+                        (cow,) = self.allocator.allocate(g, 1)
+                        self.cache.tensors[g][cow] = self.cache.expected_state(g, conv.hashes[boundary // self.h - 1])
+                        handoffs.append((g, cow, boundary))
+                        cows.setdefault(conv.req_id, []).append((g, cow))
+                else:
+                    self.cache.write_tokens(g, table[g], conv.hashes, hit, n)
+            saves.append(SaveRequest(conv.req_id, list(conv.hashes), table, n, handoffs))
+        self.engine.submit(saves=saves)
+        self.engine.wait_idle()
+        finished = self.engine.get_finished()
+        for conv in convs:
+            for g, table in enumerate(tables[conv.req_id]):
+                self.allocator.release(g, table)
+            for g, cow in cows.get(conv.req_id, []):
+                self.allocator.release(g, [cow])
+            # Each turn is a new request to the engine; what it stored stays in the store.
+            self.engine.finish_request(conv.req_id)
+        after = self.engine.counters
+        elapsed = time.perf_counter() - round_start
+        prompt = sum(len(c.tokens) for c in convs)
+        self.history.append(
+            {
+                "turn": turn,
+                "prompt_tokens": prompt,
+                "hit_tokens": sum(verified_hits.values()),
+                "hit_rate": sum(verified_hits.values()) / prompt if prompt else 0.0,
+                "bytes_moved": (after["bytes_loaded"] - before.get("bytes_loaded", 0))
+                + (after["bytes_stored"] - before.get("bytes_stored", 0)),
+                "seconds": elapsed,
+                "saves_failed": len(finished.saves_failed),
+            }
+        )
+
+    def _verify(self, conv: Conversation, table: List[List[int]], hit: int) -> None:
+        plan = self.planner.plan_load(conv.hashes, table, hit)
+        for key, g, block_id in plan.gets:
+            spec = self.groups[g]
+            if spec.kind == "mamba":
+                expected = self.cache.expected_state(g, conv.hashes[hit // self.h - 1])
+                wrong = int((self.cache.tensors[g][block_id] != expected).sum())
+                self.verified_bytes += expected.numel()
+            else:
+                index = table[g].index(block_id)
+                wrong = self.cache.wrong_bytes_tokens(g, block_id, index, conv.hashes, hit)
+                b = self.cache.block_tokens(g)
+                self.verified_bytes += (min((index + 1) * b, hit) - index * b) * self.cfg.token_bytes
+            self.wrong_bytes += wrong
+
+    # ---- report --------------------------------------------------------------------------
+
+    def summary(self, seconds: float) -> dict:
+        c = self.engine.counters
+        t = self.engine.timings
+        prompt = sum(r["prompt_tokens"] for r in self.history)
+        hit = sum(r["hit_tokens"] for r in self.history)
+        put_seconds = sum(t.get("put", []))
+        get_seconds = sum(t.get("get", []))
+        outcomes = {k: v for k, v in sorted(c.items()) if k.startswith(("tail_", "put_", "get_", "loads_", "load_", "save_", "lookup_errors", "refused"))}
+        outcomes.update(self.faults)
+        return {
+            "mix": self.cfg.mix.name,
+            "groups": format_groups(self.groups),
+            "S": self.s,
+            "H": self.h,
+            "partial_hits": self.planner.partial_hits,
+            "store": self.cfg.store,
+            "conversations": self.cfg.conversations,
+            "turns": self.cfg.turns,
+            "verified": self.wrong_bytes == 0,
+            "wrong_bytes": self.wrong_bytes,
+            "verified_bytes": self.verified_bytes,
+            "hit_rate": hit / prompt if prompt else 0.0,
+            "tokens_saved": hit,
+            "prompt_tokens": prompt,
+            "bytes_stored": c["bytes_stored"],
+            "bytes_loaded": c["bytes_loaded"],
+            "put_gbps": c["bytes_stored"] / put_seconds / 1e9 if put_seconds else 0.0,
+            "get_gbps": c["bytes_loaded"] / get_seconds / 1e9 if get_seconds else 0.0,
+            "latency_ms": {
+                op: {"p50": _percentile(t.get(op, []), 0.5) * 1e3, "p99": _percentile(t.get(op, []), 0.99) * 1e3}
+                for op in ("lookup", "put", "get")
+            },
+            "outcomes": outcomes,
+            "seconds": seconds,
+            "history": self.history,
+        }
+
+
+def print_table(result: dict, out=sys.stdout) -> None:
+    rows = [
+        ("mix", f"{result['mix']}  ({result['groups']})"),
+        ("S / H", f"{result['S']} / {result['H']}  partial hits {'on' if result['partial_hits'] else 'off'}"),
+        ("store", result["store"]),
+        ("requests", f"{result['conversations']} conversations x {result['turns']} turns"),
+        ("hit rate", f"{result['hit_rate']:.1%}  ({result['tokens_saved']} of {result['prompt_tokens']} prompt tokens)"),
+        ("verified", f"{result['verified']}  ({result['verified_bytes']} loaded bytes checked, {result['wrong_bytes']} wrong)"),
+        ("stored", f"{result['bytes_stored'] / 1e6:.1f} MB at {result['put_gbps']:.2f} GB/s"),
+        ("loaded", f"{result['bytes_loaded'] / 1e6:.1f} MB at {result['get_gbps']:.2f} GB/s"),
+    ]
+    for op, lat in result["latency_ms"].items():
+        rows.append((f"{op} p50 / p99", f"{lat['p50']:.2f} / {lat['p99']:.2f} ms"))
+    for name, count in result["outcomes"].items():
+        rows.append((f"  {name}", str(count)))
+    rows.append(("wall time", f"{result['seconds']:.1f} s"))
+    width = max(len(r[0]) for r in rows)
+    for name, value in rows:
+        print(f"{name:<{width}}  {value}", file=out)
+
+
+def plot(result: dict, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    turns = [r["turn"] for r in result["history"]]
+    fig, left = plt.subplots(figsize=(7, 4))
+    left.plot(turns, [r["hit_rate"] * 100 for r in result["history"]], "o-", color="tab:blue")
+    left.set_xlabel("turn")
+    left.set_ylabel("hit rate (%)", color="tab:blue")
+    right = left.twinx()
+    right.plot(
+        turns,
+        [r["bytes_moved"] / r["seconds"] / 1e9 if r["seconds"] else 0 for r in result["history"]],
+        "s--",
+        color="tab:orange",
+    )
+    right.set_ylabel("bytes moved per second (GB/s)", color="tab:orange")
+    left.set_title(f"kvstride simulate: {result['mix']} on {result['store']}")
+    fig.tight_layout()
+    fig.savefig(path)
+
+
+def run_simulation(cfg: SimConfig) -> dict:
+    sim = Simulation(cfg)
+    try:
+        return sim.run()
+    finally:
+        sim.close()

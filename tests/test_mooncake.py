@@ -1,0 +1,235 @@
+"""kvstride.stores.MooncakeStore against a real mooncake_master on loopback."""
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+
+import numpy as np
+import pytest
+import torch
+
+import kvdata
+from kvstride.layout import KVLayout
+from kvstride.stores import MooncakeStore, Status, _free_port
+from kvstride.transfer import StagingPool, Transfer
+from mooncake_fixture import fresh_master, mooncake_master, mooncake_store  # noqa: F401
+
+FP = b"testfp01"
+
+
+@pytest.mark.parametrize("mix", ["flash_attn", "ring_and_big", "hybrid_mamba", "mamba_raw_pages", "mla", "gemma_like"])
+def test_round_trip(mooncake_store, mix):
+    put, got, ok = kvdata.save_load_round_trip(mooncake_store, mix, tag=mix, seed=5)
+    assert all(s is Status.OK for s in put + got) and ok
+    # Idempotent: saving again is fine and keeps the value.
+    put2, got2, ok2 = kvdata.save_load_round_trip(mooncake_store, mix, tag=mix, seed=5)
+    assert all(s is Status.OK for s in put2 + got2) and ok2
+
+
+def _setup_blocks(store, nb=16, seed=0):
+    kv, groups = kvdata.flash_attn(nb=nb)
+    layout = KVLayout(kv, groups)
+    kvdata.fill_random(layout.storages, seed)
+    pool = StagingPool(8 << 20)
+    store.register_buffer(pool.ptr, pool.capacity)
+    return kv, layout, Transfer(layout, pool)
+
+
+def _bytes(kv):
+    return kv["fa.0"].view(torch.uint8).clone(), kv["fa.1"].view(torch.uint8).clone()
+
+
+def test_duplicates_in_one_batch(mooncake_store):
+    kv, layout, tr = _setup_blocks(mooncake_store, seed=1)
+    keys = ["dup-a", "dup-b", "dup-a"]
+    with tr.stage([(0, 0), (0, 1), (0, 0)]) as b:
+        tr.gather(b).wait()
+        assert mooncake_store.put(keys, b.all_parts()) == [Status.OK] * 3
+    ref = _bytes(kv)
+    with tr.stage([(0, 5), (0, 6), (0, 7), (0, 8)]) as b:
+        st = mooncake_store.get(keys + ["dup-b"], b.all_parts())
+        assert st == [Status.OK] * 4
+        tr.scatter(b, ok=[s is Status.OK for s in st]).wait()
+    now = _bytes(kv)
+    for d, s in ((5, 0), (6, 1), (7, 0), (8, 1)):  # both destinations of dup-a written
+        assert torch.equal(now[0][:, d], ref[0][:, s]) and torch.equal(now[1][:, d], ref[1][:, s])
+
+
+def test_corrupted_value_never_reaches_a_block(mooncake_store):
+    kv, layout, tr = _setup_blocks(mooncake_store, seed=2)
+    with tr.stage([(0, 0), (0, 1)]) as b:
+        tr.gather(b).wait()
+        assert mooncake_store.put(["cor-0", "cor-1"], b.all_parts()) == [Status.OK] * 2
+    raw = mooncake_store.client
+    size = 64 + layout.groups[0].block_bytes
+    v = np.zeros(size, np.uint8)
+    assert raw.get_into("cor-0", v.ctypes.data, size) == size
+    v[64 + 1234] ^= 0x10
+    assert raw.upsert_from("cor-0", v.ctypes.data, size) == 0
+    before = _bytes(kv)
+    with tr.stage([(0, 10), (0, 11)]) as b:
+        st = mooncake_store.get(["cor-0", "cor-1"], b.all_parts())
+        tr.scatter(b, ok=[s is Status.OK for s in st]).wait()
+    assert st == [Status.CORRUPT, Status.OK]
+    after = _bytes(kv)
+    assert torch.equal(after[0][:, 10], before[0][:, 10]) and torch.equal(after[1][:, 10], before[1][:, 10])
+    assert torch.equal(after[0][:, 11], before[0][:, 1])
+    assert mooncake_store.exists(["cor-0"]) == [False]  # dropped so that a later save rewrites it
+    # A value of another size under the key (e.g. another layout): corrupt, not copied.
+    assert raw.upsert_from("cor-1", v.ctypes.data, size - 100) == 0
+    with tr.stage([(0, 12)]) as b:
+        assert mooncake_store.get(["cor-1"], b.all_parts()) == [Status.CORRUPT]
+
+
+def test_eviction_between_exists_and_get(mooncake_store):
+    kv, layout, tr = _setup_blocks(mooncake_store, seed=3)
+    keys = [f"ev-{i}" for i in range(4)]
+    with tr.stage([(0, i) for i in range(4)]) as b:
+        tr.gather(b).wait()
+        assert mooncake_store.put(keys, b.all_parts()) == [Status.OK] * 4
+    assert mooncake_store.exists(keys) == [True] * 4
+    assert list(mooncake_store.client.batch_remove(keys[:2], True)) == [0, 0]  # evicted meanwhile
+    before = _bytes(kv)
+    with tr.stage([(0, 12), (0, 13), (0, 14), (0, 15)]) as b:
+        st = mooncake_store.get(keys, b.all_parts())
+        tr.scatter(b, ok=[s is Status.OK for s in st]).wait()
+    assert st == [Status.MISSING, Status.MISSING, Status.OK, Status.OK]
+    after = _bytes(kv)
+    assert torch.equal(after[0][:, 12:14], before[0][:, 12:14])
+    assert torch.equal(after[0][:, 14:16], before[0][:, 2:4])
+
+
+def test_store_full(fresh_master):
+    store = MooncakeStore(fresh_master, segment_bytes=16 << 20, fingerprint=FP)
+    try:
+        rng = np.random.default_rng(0)
+        vals = {f"full-{i}": rng.integers(0, 256, 1 << 20, dtype=np.uint8) for i in range(40)}
+        keys = list(vals)
+        st = store.put(keys, [[vals[k]] for k in keys])
+        assert Status.FULL in st and Status.OK in st
+        assert set(st) <= {Status.OK, Status.FULL}
+        assert store.counters["put.full"] == st.count(Status.FULL)
+        dst = [np.zeros(1 << 20, np.uint8) for _ in keys]
+        got = store.get(keys, [[d] for d in dst])
+        for k, s, g, d in zip(keys, st, got, dst):
+            assert g in (Status.OK, Status.MISSING)
+            if g is Status.OK:
+                assert (d == vals[k]).all()
+            if s is Status.FULL:
+                assert g is Status.MISSING
+    finally:
+        store.close()
+
+
+def test_master_killed_mid_put_and_mid_get(fresh_master):
+    store = MooncakeStore(fresh_master, segment_bytes=64 << 20, fingerprint=FP, retry_after_s=0.5)
+    kv, layout, tr = _setup_blocks(store, nb=64, seed=4)
+    results, errors = [], []
+    stop = threading.Event()
+
+    def worker():
+        try:
+            i = 0
+            while not stop.is_set() and i < 400:
+                src = [(0, (i * 4 + j) % 32) for j in range(4)]
+                keys = [f"kill-{i}-{j}" for j in range(4)]
+                with tr.stage(src) as b:
+                    tr.gather(b).wait()
+                    p = store.put(keys, b.all_parts())
+                dst = [(0, 32 + (i * 4 + j) % 32) for j in range(4)]
+                snap = _bytes(kv)
+                with tr.stage(dst) as b:
+                    g = store.get(keys, b.all_parts())
+                    tr.scatter(b, ok=[s is Status.OK for s in g]).wait()
+                results.append((src, dst, p, g, snap, _bytes(kv)))
+                if sum(s is Status.UNAVAILABLE for s in g) == 4 and len([r for r in results if Status.UNAVAILABLE in r[3]]) >= 3:
+                    break
+                i += 1
+        except BaseException as e:  # noqa: BLE001
+            errors.append(e)
+
+    th = threading.Thread(target=worker)
+    th.start()
+    time.sleep(0.3)
+    fresh_master.kill()
+    th.join(60)
+    stop.set()
+    assert not errors, errors
+    assert any(Status.UNAVAILABLE in p + g for _, _, p, g, _, _ in results)
+    for src, dst, p, g, snap, after in results:
+        for (_, s), (_, d), gs in zip(src, dst, g):
+            assert gs in (Status.OK, Status.UNAVAILABLE, Status.MISSING)
+            if gs is Status.OK:  # exact bytes
+                assert torch.equal(after[0][:, d], snap[0][:, s]) and torch.equal(after[1][:, d], snap[1][:, s])
+            else:  # untouched
+                assert torch.equal(after[0][:, d], snap[0][:, d]) and torch.equal(after[1][:, d], snap[1][:, d])
+    assert store.exists(["kill-0-0"]) == [False]  # fast: the master is known down
+    # The master comes back on the same ports: the client reconnects, old keys are gone.
+    fresh_master.restart()
+    deadline = time.monotonic() + 15
+    ok = False
+    while time.monotonic() < deadline and not ok:
+        with tr.stage([(0, 0)]) as b:
+            tr.gather(b).wait()
+            ok = store.put(["after-restart"], b.all_parts()) == [Status.OK]
+        time.sleep(0.2)
+    assert ok
+    t0 = time.monotonic()
+    store.close()
+    assert time.monotonic() - t0 < 8
+
+
+def test_two_processes_share_one_master(mooncake_master, mooncake_store):
+    rng = np.random.default_rng(7)
+    mine = {f"pa-{i}": rng.integers(0, 256, 50_000, dtype=np.uint8) for i in range(5)}
+    assert mooncake_store.put(list(mine), [[v] for v in mine.values()]) == [Status.OK] * 5
+    child = textwrap.dedent(
+        f"""
+        import json, sys, numpy as np
+        from kvstride.stores import MooncakeStore, Status
+        s = MooncakeStore({mooncake_master.address!r}, segment_bytes=0, fingerprint={FP!r})
+        rng = np.random.default_rng(7)
+        theirs = {{f"pa-{{i}}": rng.integers(0, 256, 50_000, dtype=np.uint8) for i in range(5)}}
+        dst = [np.zeros(50_000, np.uint8) for _ in theirs]
+        st = s.get(list(theirs), [[d] for d in dst])
+        same = [bool((d == v).all()) for d, v in zip(dst, theirs.values())]
+        rng2 = np.random.default_rng(8)
+        mine = [rng2.integers(0, 256, 30_000, dtype=np.uint8) for _ in range(3)]
+        pst = s.put([f"pb-{{i}}" for i in range(3)], [[m] for m in mine])
+        print(json.dumps({{"get": [x.value for x in st], "same": same, "put": [x.value for x in pst]}}))
+        sys.stdout.flush()
+        s.close()
+        """
+    )
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
+    out = subprocess.run([sys.executable, "-c", child], capture_output=True, text=True, timeout=60, env=env)
+    assert out.returncode == 0, out.stderr[-2000:]
+    res = json.loads(out.stdout.strip().splitlines()[-1])
+    assert res["get"] == ["ok"] * 5 and all(res["same"]) and res["put"] == ["ok"] * 3
+    rng2 = np.random.default_rng(8)
+    theirs = [rng2.integers(0, 256, 30_000, dtype=np.uint8) for _ in range(3)]
+    dst = [np.zeros(30_000, np.uint8) for _ in range(3)]
+    assert mooncake_store.get([f"pb-{i}" for i in range(3)], [[d] for d in dst]) == [Status.OK] * 3
+    assert all((d == t).all() for d, t in zip(dst, theirs))
+
+
+def test_dead_master_refused_fast_and_no_call_after_close(mooncake_master):
+    t0 = time.monotonic()
+    with pytest.raises(RuntimeError, match="not reachable"):
+        MooncakeStore(f"127.0.0.1:{_free_port()}")
+    assert time.monotonic() - t0 < 5
+    with pytest.raises(ValueError, match="host:port"):
+        MooncakeStore("nonsense")
+    s = MooncakeStore(mooncake_master, segment_bytes=0, fingerprint=FP)
+    s.close()
+    s.close()
+    a = np.zeros(100, np.uint8)
+    assert s.put(["x"], [[a]]) == [Status.UNAVAILABLE]
+    assert s.get(["x"], [[a]]) == [Status.UNAVAILABLE]
+    assert s.exists(["x"]) == [False]
+    assert s.health() == 1 and s.client is None
+    s.register_buffer(a.ctypes.data, a.nbytes)  # a no-op, not a segfault

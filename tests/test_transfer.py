@@ -1,0 +1,203 @@
+"""kvstride.transfer: batched gather / scatter between KV tensors and the staging pool."""
+
+import random
+
+import pytest
+import torch
+
+import kvdata
+from kvstride.layout import KVLayout
+from kvstride.transfer import StagingPool, Transfer
+
+
+def _pick_blocks(layout, per_group=5, seed=0):
+    """Distinct block ids across groups (groups may alias one allocation, as in vLLM)."""
+    rng = random.Random(seed)
+    ng = len(layout.groups)
+    out = []
+    for g in layout.groups:
+        ids = [b for b in range(g.num_blocks) if b % ng == g.group]
+        out += [(g.group, b) for b in rng.sample(ids, min(per_group, len(ids)))]
+    rng.shuffle(out)
+    return out
+
+
+def _snapshot(kv, blocks, groups):
+    snap = {}
+    for g, b in blocks:
+        for name in groups[g]:
+            v = kv[name]
+            for j, t in enumerate([v] if isinstance(v, torch.Tensor) else v):
+                snap[(name, j, b)] = kvdata.block_bytes_of(t, b)
+    return snap
+
+
+def _check(kv, snap, which):
+    for (name, j, b), want in snap.items():
+        if which is not None and b not in which:
+            continue
+        v = kv[name]
+        t = v if isinstance(v, torch.Tensor) else v[j]
+        assert torch.equal(kvdata.block_bytes_of(t, b), want), (name, j, b)
+
+
+@pytest.mark.parametrize("mix", sorted(kvdata.MIXES))
+def test_round_trip_every_layout(mix):
+    kv, groups = kvdata.MIXES[mix]()
+    layout = KVLayout(kv, groups)
+    kvdata.fill_random(layout.storages, seed=hash(mix) & 0xFFFF)
+    blocks = _pick_blocks(layout)
+    snap = _snapshot(kv, blocks, groups)
+    pool = StagingPool(8 << 20)
+    tr = Transfer(layout, pool)
+    batch = tr.stage(blocks)
+    assert batch is not None
+    tr.gather(batch).wait()
+    # The staged payload of every block equals its pieces, in order.
+    for i, (g, b) in enumerate(blocks):
+        payload = torch.cat(batch.payload_view(i))
+        assert payload.numel() == layout.groups[g].block_bytes
+    for s in layout.storages:
+        s.zero_()
+    # Move the staged bytes to other block ids? No: scatter back to the same ids.
+    tr.scatter(batch).wait()
+    _check(kv, snap, None)
+    batch.release()
+    assert pool.free_bytes == pool.capacity
+
+
+def test_staged_payload_matches_source_bytes():
+    kv, groups = kvdata.ring_and_big()
+    layout = KVLayout(kv, groups)
+    kvdata.fill_random(layout.storages, 3)
+    tr = Transfer(layout, StagingPool(4 << 20))
+    with tr.stage([(1, 5), (0, 2)]) as batch:
+        tr.gather(batch).wait()
+        k, v = batch.payload_view(0)
+        assert torch.equal(k, kv["full.0"][0, 5].contiguous().view(-1).view(torch.uint8))
+        assert torch.equal(v, kv["full.0"][1, 5].contiguous().view(-1).view(torch.uint8))
+        r0, r1 = batch.payload_view(1)  # two separate ring layers: two pieces
+        assert torch.equal(r0, kv["ring.0"][2].contiguous().view(-1).view(torch.uint8))
+        assert torch.equal(r1, kv["ring.1"][2].contiguous().view(-1).view(torch.uint8))
+
+
+def test_scatter_mask_leaves_failed_blocks_untouched():
+    kv, groups = kvdata.hybrid_mamba()
+    layout = KVLayout(kv, groups)
+    kvdata.fill_random(layout.storages, 5)
+    blocks = [(0, 0), (1, 1), (0, 2), (1, 3), (0, 4)]
+    tr = Transfer(layout, StagingPool(2 << 20))
+    batch = tr.stage(blocks)
+    tr.gather(batch).wait()
+    before = _snapshot(kv, blocks, groups)
+    # Poison the staging bytes, then scatter only some entries.
+    for i in range(len(blocks)):
+        for v in batch.payload_view(i):
+            v.fill_(0xAB)
+    ok = [True, False, False, True, False]
+    tr.scatter(batch, ok=ok).wait()
+    good = {b for (g, b), o in zip(blocks, ok) if o}
+    bad = {b for (g, b), o in zip(blocks, ok) if not o}
+    _check(kv, before, bad)  # untouched
+    for b in good:  # overwritten with the poison
+        t = kv["attn.0"] if b % 2 == 0 else kv["mamba.0"][0]
+        assert (kvdata.block_bytes_of(t, b) == 0xAB).all()
+    tr.scatter(batch, ok=[False] * 5).wait()  # nothing at all
+    batch.release()
+
+
+def test_pool_is_bounded_and_reused():
+    kv, groups = kvdata.flash_attn(nb=32)
+    layout = KVLayout(kv, groups)
+    per_block = layout.groups[0].block_bytes
+    pool = StagingPool(10 * per_block)
+    tr = Transfer(layout, pool)
+    a = tr.stage([(0, b) for b in range(6)])
+    assert a is not None
+    assert tr.stage([(0, b) for b in range(6)]) is None  # does not fit beside a
+    c = tr.stage([(0, b) for b in range(4)])
+    assert c is not None
+    a.release()
+    a.release()  # idempotent
+    d = tr.stage([(0, b) for b in range(6)])
+    assert d is not None and d.offset == 0  # the same memory again
+    assert pool.tensor.data_ptr() == pool.ptr
+    c.release(), d.release()
+    assert pool.free_bytes == pool.capacity
+    with pytest.raises(ValueError, match="block id 99"):
+        tr.stage([(0, 99)])
+    with pytest.raises(ValueError, match="group 3"):
+        tr.stage([(3, 0)])
+
+
+def test_odd_sizes_and_duplicate_blocks():
+    # 3-byte elements rows: sizes not multiples of 8 use narrower views.
+    kv = {"odd": torch.empty(9, 5, 3, dtype=torch.uint8), "even": torch.empty(9, 6, dtype=torch.int16)}
+    layout = KVLayout(kv, [["odd"], ["even"]])
+    kvdata.fill_random(layout.storages, 7)
+    snap = {b: kv["odd"][b].clone() for b in range(9)}
+    tr = Transfer(layout, StagingPool(1 << 16))
+    batch = tr.stage([(0, 1), (0, 1), (1, 2), (0, 8)])
+    tr.gather(batch).wait()
+    kv["odd"].zero_()
+    tr.scatter(batch).wait()
+    for b in (1, 8):
+        assert torch.equal(kv["odd"][b], snap[b])
+    assert not kv["odd"][0].any()
+    batch.release()
+
+
+def test_gather_is_batched_not_per_block(monkeypatch):
+    """A batch of many blocks costs one index_select per (group, piece)."""
+    kv, groups = kvdata.ring_and_big(nb=64)
+    layout = KVLayout(kv, groups)
+    tr = Transfer(layout, StagingPool(64 << 20))
+    calls = []
+    real = torch.index_select
+
+    def counting(*a, **k):
+        calls.append(1)
+        return real(*a, **k)
+
+    monkeypatch.setattr(torch, "index_select", counting)
+    batch = tr.stage([(g, b) for g in (0, 1) for b in range(60)])
+    tr.gather(batch).wait()
+    assert len(calls) == sum(len(g.pieces) for g in layout.groups)
+    batch.release()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("mix", ["flash_attn", "ring_and_big", "hybrid_mamba", "mamba_raw_pages"])
+def test_round_trip_cuda(mix):
+    kv, groups = kvdata.MIXES[mix]()
+    cpu_layout = KVLayout(kv, groups)
+    kvdata.fill_random(cpu_layout.storages, 9)
+
+    def to_cuda(v):
+        return v.cuda() if isinstance(v, torch.Tensor) else [t.cuda() for t in v]
+
+    # Re-create the same views on the device (shared storages stay shared).
+    dev_storages = {s.data_ptr(): s.cuda() for s in cpu_layout.storages}
+    dkv = {}
+    for name, v in kv.items():
+        ts = [v] if isinstance(v, torch.Tensor) else v
+        out = []
+        for t in ts:
+            base = dev_storages[t.untyped_storage().data_ptr()]
+            flat = torch.empty(0, dtype=t.dtype, device="cuda").set_(base.untyped_storage(), 0, (base.numel() // t.element_size(),), (1,))
+            out.append(flat.as_strided(t.shape, t.stride(), t.storage_offset()))
+        dkv[name] = out[0] if isinstance(v, torch.Tensor) else out
+    layout = KVLayout(dkv, groups)
+    blocks = _pick_blocks(layout)
+    snap = _snapshot(kv, blocks, groups)
+    tr = Transfer(layout, StagingPool(8 << 20))
+    batch = tr.stage(blocks)
+    tr.gather(batch).wait()
+    for s in layout.storages:
+        s.zero_()
+    f = tr.scatter(batch)
+    f.wait_stream()
+    f.wait()
+    host = {name: (v.cpu() if isinstance(v, torch.Tensor) else [t.cpu() for t in v]) for name, v in dkv.items()}
+    _check(host, snap, None)
+    batch.release()
