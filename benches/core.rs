@@ -177,19 +177,20 @@ fn tail(c: &mut Criterion) {
 fn lookup(c: &mut Criterion) {
     let p = hybrid();
     // The request length whose lookup consults ~8K (group, hash) candidates.
+    let pool = plan_hashes(1 << 20);
     let mut n = 0u64;
-    while p.lookup_candidates((n / PLAN_H) as usize, n).len() < 8192 {
+    while p.lookup_candidates(&pool[..(n / PLAN_H) as usize], n).len() < 8192 {
         n += PLAN_H;
     }
     let hashes = plan_hashes(n as usize);
-    let candidates = p.lookup_candidates(hashes.len(), n).len();
+    let candidates = p.lookup_candidates(&hashes, n).len();
     eprintln!("lookup_8k: {n} tokens, {} hashes, {candidates} candidates", hashes.len());
     let keys = p.lookup_keys(&hashes, n);
     let all = vec![true; keys.len()];
     // The first 60% of every group's candidates present: a partial hit.
     let cutoff = (hashes.len() * 6 / 10) as u64 * PLAN_H;
     let partial: Vec<bool> = {
-        let cands = p.lookup_candidates(hashes.len(), n);
+        let cands = p.lookup_candidates(&hashes, n);
         cands.iter().map(|c| (c.hash_index as u64 + 1) * PLAN_H <= cutoff).collect()
     };
     let none = vec![false; keys.len()];
@@ -197,20 +198,20 @@ fn lookup(c: &mut Criterion) {
     group.measurement_time(Duration::from_secs(2)).warm_up_time(Duration::from_millis(500));
     group.throughput(Throughput::Elements(candidates as u64));
     group.bench_function("lookup_candidates", |b| {
-        b.iter(|| p.lookup_candidates(black_box(hashes.len()), n))
+        b.iter(|| p.lookup_candidates(black_box(&hashes), n))
     });
     group.bench_function("lookup_keys", |b| b.iter(|| p.lookup_keys(black_box(&hashes), n)));
     for (name, bits) in [("all_present", &all), ("60pct_present", &partial), ("none_present", &none)] {
-        let hit = p.longest_hit_bitmap(hashes.len(), n, bits).unwrap();
+        let hit = p.longest_hit_bitmap(&hashes, n, bits).unwrap();
         eprintln!("lookup_8k/longest_hit_bitmap/{name}: hit {hit}");
         group.bench_function(BenchmarkId::new("longest_hit_bitmap", name), |b| {
-            b.iter(|| p.longest_hit_bitmap(black_box(hashes.len()), n, bits).unwrap())
+            b.iter(|| p.longest_hit_bitmap(black_box(&hashes), n, bits).unwrap())
         });
     }
     group.bench_function("keys_plus_bitmap/60pct_present", |b| {
         b.iter(|| {
             let keys = p.lookup_keys(black_box(&hashes), n);
-            p.longest_hit_bitmap(hashes.len(), n, &partial[..keys.len()]).unwrap()
+            p.longest_hit_bitmap(&hashes, n, &partial[..keys.len()]).unwrap()
         })
     });
     group.finish();

@@ -212,6 +212,8 @@ pub fn resolve_block_sizes(
         return Err(Error::new("prefix_match_unit=0: use a positive number of tokens or None"));
     }
     if groups.len() == 1 {
+        // SEMANTICS §2 rule 1 says block_size * dcp; for a lone mamba group we keep its
+        // unsharded state size (rule 2's effective size), else no planner could key it.
         let size = groups[0].effective_size(dcp);
         if let Some(unit) = prefix_match_unit {
             if unit != size {
@@ -289,6 +291,9 @@ pub fn resolve_block_sizes(
 /// Hashes per block `e_g / H` for participating groups, 0 for skipped ones.
 pub fn hashes_per_block(groups: &[GroupSpec], hash_block_size: u64, dcp: u64) -> Result<Vec<u64>> {
     check_dcp(dcp)?;
+    if groups.is_empty() {
+        return Err(Error::new("no KV-cache groups: pass at least one GroupSpec"));
+    }
     if hash_block_size == 0 {
         return Err(Error::new("hash_block_size=0: use a positive number of tokens"));
     }

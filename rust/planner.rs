@@ -438,8 +438,19 @@ impl KeyPlanner {
     }
 
     /// Every `(group, hash index)` the hit test can consult for lengths up to the limit,
-    /// ordered by group, then hash index, without duplicates.
-    pub fn lookup_candidates(&self, num_hashes: usize, num_tokens: u64) -> Vec<Candidate> {
+    /// ordered by group, then hash index, without duplicate keys: a hash repeated at a later
+    /// index of the same group keys the same value and is left out.
+    pub fn lookup_candidates<H: AsRef<[u8]>>(&self, hashes: &[H], num_tokens: u64) -> Vec<Candidate> {
+        let all = self.candidate_positions(hashes.len(), num_tokens);
+        if !has_repeats(hashes) {
+            return all;
+        }
+        let mut seen = HashSet::new();
+        all.into_iter().filter(|c| seen.insert((c.group, hashes[c.hash_index].as_ref()))).collect()
+    }
+
+    /// The `(group, hash index)` pairs the hit test consults, repeated hashes included.
+    fn candidate_positions(&self, num_hashes: usize, num_tokens: u64) -> Vec<Candidate> {
         let limit = self.lookup_limit(num_hashes, num_tokens);
         let a = self.alignment();
         let mut out = Vec::new();
@@ -495,7 +506,7 @@ impl KeyPlanner {
         mut f: impl FnMut(&str),
     ) {
         let mut key = String::with_capacity(256);
-        for c in self.lookup_candidates(hashes.len(), num_tokens) {
+        for c in self.lookup_candidates(hashes, num_tokens) {
             for prefix in &self.lookup_prefixes[c.group] {
                 key.clear();
                 key.push_str(prefix);
@@ -511,13 +522,14 @@ impl KeyPlanner {
     }
 
     /// §6 from a bitmap aligned with `lookup_keys`.
-    pub fn longest_hit_bitmap(
+    pub fn longest_hit_bitmap<H: AsRef<[u8]>>(
         &self,
-        num_hashes: usize,
+        hashes: &[H],
         num_tokens: u64,
         bitmap: &[bool],
     ) -> Result<u64> {
-        let candidates = self.lookup_candidates(num_hashes, num_tokens);
+        let num_hashes = hashes.len();
+        let candidates = self.lookup_candidates(hashes, num_tokens);
         let expected: usize =
             candidates.iter().map(|c| self.namespaces_per_group(c.group)).sum();
         if bitmap.len() != expected {
@@ -538,6 +550,21 @@ impl KeyPlanner {
             }
             row[c.hash_index] = all;
         }
+        if has_repeats(hashes) {
+            // A repeated hash keys the same value as the candidate that was kept for it.
+            let kept: std::collections::HashMap<(usize, &[u8]), bool> = candidates
+                .iter()
+                .map(|c| ((c.group, hashes[c.hash_index].as_ref()), present[c.group][c.hash_index]))
+                .collect();
+            for c in self.candidate_positions(num_hashes, num_tokens) {
+                let value = kept[&(c.group, hashes[c.hash_index].as_ref())];
+                let row = &mut present[c.group];
+                if row.len() <= c.hash_index {
+                    row.resize(c.hash_index + 1, false);
+                }
+                row[c.hash_index] = value;
+            }
+        }
         Ok(self.longest_hit_with(num_hashes, num_tokens, &present))
     }
 
@@ -550,7 +577,7 @@ impl KeyPlanner {
     ) -> u64 {
         let keys = self.lookup_keys(hashes, num_tokens);
         let bitmap: Vec<bool> = keys.iter().map(|k| present(k)).collect();
-        self.longest_hit_bitmap(hashes.len(), num_tokens, &bitmap)
+        self.longest_hit_bitmap(hashes, num_tokens, &bitmap)
             .expect("the bitmap is built from lookup_keys")
     }
 
@@ -658,6 +685,12 @@ impl KeyPlanner {
         }
         Ok(LoadPlan { hit, start, gets, missing })
     }
+}
+
+/// Whether some hash value occurs twice (never for real chained hashes; tests make it so).
+fn has_repeats<H: AsRef<[u8]>>(hashes: &[H]) -> bool {
+    let mut seen = HashSet::with_capacity(hashes.len());
+    !hashes.iter().all(|h| seen.insert(h.as_ref()))
 }
 
 /// Unique keys of a get batch in first-seen order, and for each the indices it feeds:

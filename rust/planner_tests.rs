@@ -169,8 +169,8 @@ fn lookup_example_fa32_mamba32_h16() {
     // The bitmap form agrees with the predicate form.
     let keys = p.lookup_keys(&h, 64);
     let bits: Vec<bool> = keys.iter().map(|k| store.contains(k)).collect();
-    assert_eq!(p.longest_hit_bitmap(h.len(), 64, &bits).unwrap(), 48);
-    assert!(p.longest_hit_bitmap(h.len(), 64, &bits[1..]).is_err());
+    assert_eq!(p.longest_hit_bitmap(&h, 64, &bits).unwrap(), 48);
+    assert!(p.longest_hit_bitmap(&h, 64, &bits[1..]).is_err());
 }
 
 #[test]

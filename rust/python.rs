@@ -216,6 +216,14 @@ fn out_of_range(obj: &Bound<'_, PyAny>) -> PyErr {
     ))
 }
 
+fn holds_map(value: &Value) -> bool {
+    match value {
+        Value::Map(_) => true,
+        Value::Array(items) => items.iter().any(holds_map),
+        _ => false,
+    }
+}
+
 fn extract_extra_keys(obj: &Bound<'_, PyAny>) -> PyResult<Vec<ExtraKeys>> {
     let seq = obj.cast::<PySequence>().map_err(|_| {
         PyTypeError::new_err("extra_keys must be a list with one entry (None or a tuple) per full block")
@@ -227,7 +235,13 @@ fn extract_extra_keys(obj: &Bound<'_, PyAny>) -> PyResult<Vec<ExtraKeys>> {
             out.push(None);
         } else if entry.is_instance_of::<PyTuple>() || entry.is_instance_of::<PyList>() {
             match to_value(&entry, 0)? {
-                Value::Array(items) => out.push(Some(items)),
+                Value::Array(items) if !items.iter().any(holds_map) => out.push(Some(items)),
+                Value::Array(_) => {
+                    return Err(PyTypeError::new_err(format!(
+                        "extra_keys[{i}] holds a dict: extra keys hold str, int, bytes, None, \
+                         bool, float or nested tuples of them"
+                    )))
+                }
                 _ => unreachable!("tuples convert to arrays"),
             }
         } else {
@@ -491,6 +505,15 @@ fn stride_keys<'py>(
     let seq = block_hashes
         .cast::<PySequence>()
         .map_err(|_| PyTypeError::new_err("block_hashes must be a sequence of bytes"))?;
+    for i in 0..seq.len()? {
+        let item = seq.get_item(i)?;
+        if !item.is_instance_of::<PyBytes>() {
+            return Err(PyTypeError::new_err(format!(
+                "block_hashes[{i}] is a {}, not bytes",
+                type_name(&item)
+            )));
+        }
+    }
     let picked = keys::stride_indices(seq.len()?, k, start);
     let items: PyResult<Vec<Bound<'py, PyAny>>> = picked.into_iter().map(|i| seq.get_item(i)).collect();
     PyList::new(py, items?)
@@ -875,9 +898,9 @@ impl KeyPlanner {
             .try_iter()?
             .map(|b| b?.is_truthy())
             .collect::<PyResult<_>>()?;
+        let slices = hash_slices(&hashes);
         let inner = &self.inner;
-        let count = hashes.len();
-        py.detach(|| inner.longest_hit_bitmap(count, n, &bits)).map_err(value_error)
+        py.detach(|| inner.longest_hit_bitmap(&slices, n, &bits)).map_err(value_error)
     }
 
     #[pyo3(signature = (block_hashes, block_ids, hit_tokens, *, local_tokens = 0))]

@@ -148,9 +148,12 @@ def test_single_group_and_dcp(impl):
     assert impl.hashes_per_block(groups, 16, dcp=2) == [2, 1]
 
 
-def test_single_mamba_group_dcp_rule1(impl):
-    # SEMANTICS §2 rule 1, literally: "One group: S = H = block_size · dcp" (whatever the kind)
-    assert impl.resolve_block_sizes([MAMBA(impl, 16)], dcp=2) == (32, 32)
+def test_single_group_dcp_rule1(impl):
+    # SEMANTICS §2 rule 1: "One group: S = H = block_size · dcp". Mamba state is not sharded
+    # by DCP (rule 2), so a lone mamba group keeps its size: (32, 32) could not key it at all.
+    assert impl.resolve_block_sizes([FA(impl, 16)], dcp=2) == (32, 32)
+    assert impl.resolve_block_sizes([MAMBA(impl, 16)], dcp=2) == (16, 16)
+    assert impl.hashes_per_block([MAMBA(impl, 16)], 16, dcp=2) == [1]
 
 
 def test_offloading_e3_prime_and_e4(impl):

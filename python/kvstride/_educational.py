@@ -128,6 +128,30 @@ def _xxh3_128(data: bytes) -> bytes:
     return xxhash.xxh3_128_digest(data)
 
 
+_EXTRA_SCALARS = (str, int, bytes, bytearray, type(None), bool, float)
+
+
+def _check_extra_value(value: object) -> None:
+    """Extra keys hold str / int / bytes / None / bool / float and nested tuples (or lists)."""
+    if isinstance(value, (tuple, list)):
+        for item in value:
+            _check_extra_value(item)
+    elif not isinstance(value, _EXTRA_SCALARS):
+        raise TypeError(
+            f"cannot hash a {type(value).__name__} ({value!r}): extra keys hold str, int, bytes, "
+            "None, bool, float or nested tuples of them"
+        )
+
+
+def _extra_entry(index: int, entry: object):
+    if entry is None:
+        return None
+    if not isinstance(entry, (tuple, list)):
+        raise TypeError(f"extra_keys[{index}] is a {type(entry).__name__}; each entry is None or a tuple")
+    _check_extra_value(entry)
+    return entry
+
+
 class BlockHasher:
     """Chained, vLLM-identical block hashes: ``h[i] = HASH(cbor([parent, tokens, extra]))``."""
 
@@ -179,6 +203,8 @@ class BlockHasher:
     ) -> List[bytes]:
         """One hash per FULL block of ``block_size`` tokens (a trailing partial block gets none)."""
         block_size = _positive_int("block_size", block_size)
+        if isinstance(token_ids, (str, bytes, bytearray, memoryview)):
+            raise TypeError("token_ids must be a list/tuple of ints or an integer numpy array, not str/bytes")
         tokens = [_int("token id", t) for t in token_ids]  # plain ints (numpy scalars too)
         num_full = len(tokens) // block_size
 
@@ -194,7 +220,7 @@ class BlockHasher:
         hashes: List[bytes] = []
         for i in range(num_full):
             block_tokens = tokens[i * block_size : (i + 1) * block_size]
-            extra = None if extra_keys is None else extra_keys[i]
+            extra = None if extra_keys is None else _extra_entry(i, extra_keys[i])
             # The hash input is the 3-array [parent bytes, token array, extra (null or array)].
             prev = self._hash_fn(cbor_encode([prev, block_tokens, extra]))
             hashes.append(prev)
@@ -366,6 +392,8 @@ def resolve_block_sizes(
 
     # Step 1: a single group. Hits can only land on its block size.
     if len(groups) == 1:
+        # SEMANTICS §2 rule 1 says block_size * dcp; for a lone mamba group we keep its
+        # unsharded state size (rule 2's effective size), else no planner could key it.
         e = sizes[0]
         if prefix_match_unit is not None and prefix_match_unit != e:
             raise ValueError(
@@ -676,7 +704,7 @@ class KeyPlanner:
         return [_bytes("block hash", x) for x in block_hashes]
 
     def _tables(self, block_ids) -> List[List[int]]:
-        tables = [[_int("block id", b) for b in table] for table in block_ids]
+        tables = [[_non_negative_int("block id", b) for b in table] for table in block_ids]
         if len(tables) != len(self._groups):
             raise ValueError(
                 f"block_ids has {len(tables)} tables for {len(self._groups)} groups; give one block table per group"
