@@ -199,6 +199,7 @@ def simulate(mix: Mix, args) -> int:
     cfg = SimConfig(
         mix=mix,
         conversations=args.conversations,
+        batch=args.batch,
         turns=args.turns,
         system_tokens=args.system_tokens,
         user_tokens=args.user_tokens,
@@ -236,6 +237,7 @@ def build_parser() -> argparse.ArgumentParser:
     sim.add_argument("--store", default="embedded", help="embedded | mooncake (starts a master on loopback) | mooncake://HOST:PORT")
     sim.add_argument("--conversations", type=int, default=8)
     sim.add_argument("--turns", type=int, default=4)
+    sim.add_argument("--batch", type=int, default=4, help="requests per engine step")
     sim.add_argument("--system-tokens", type=int, default=2048, help="shared system prompt length")
     sim.add_argument("--user-tokens", type=int, default=300, help="tokens each user message adds")
     sim.add_argument("--reply-tokens", type=int, default=200, help="tokens each reply adds")

@@ -43,7 +43,7 @@ PRESETS = {
     ),
     "nemotron-h": (
         "mamba:256,full_attention:32",
-        64,
+        None,
         "Nemotron-H: mostly Mamba-2 layers with a few attention layers",
     ),
     "glm-ring": (

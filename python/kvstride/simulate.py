@@ -33,6 +33,7 @@ GARBAGE = 0xA5
 class SimConfig:
     mix: Mix
     conversations: int = 8
+    batch: int = 4  # requests per engine step
     turns: int = 4
     system_tokens: int = 2048
     user_tokens: int = 300
@@ -236,7 +237,8 @@ class Simulation:
         for turn in range(cfg.turns):
             if cfg.fault_every and turn and turn % cfg.fault_every == 0:
                 self._inject_fault(turn)
-            self._round(turn, convs)
+            for first in range(0, len(convs), cfg.batch):
+                self._round(turn, convs[first : first + cfg.batch])
             if progress is not None:
                 progress.update(len(convs))
             for conv in convs:
