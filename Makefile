@@ -45,7 +45,7 @@ simulate: build
 	$(VENV)/bin/kvstride simulate --preset glm-ring
 
 bench: build
-	$(VENV)/bin/kvstride bench
+	$(VENV)/bin/kvstride bench --rust
 
 clean:
 	rm -rf $(VENV) target

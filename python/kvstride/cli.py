@@ -224,6 +224,40 @@ def simulate(mix: Mix, args) -> int:
     return 0 if result["verified"] else 1
 
 
+# ---- bench -----------------------------------------------------------------------------------
+
+# (script, arguments for a quick run): each prints a markdown table with its ratio column.
+BENCHES = (
+    ("keypath.py", ["--repeat", "5"]),
+    ("transfer.py", ["--threads", "1", "--reps", "7"]),
+    ("store.py", ["--reps", "5"]),
+)
+
+
+def bench(args) -> int:
+    """Run the benches of a source checkout, each next to its baseline in the same run."""
+    import os
+    import subprocess
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    benches = root / "benches"
+    if not (benches / "keypath.py").exists():
+        print("kvstride bench runs the benches of a source checkout (benches/ next to python/); "
+              "clone the repository and run `make bench`", file=sys.stderr)
+        return 2
+    env = dict(os.environ, PYTHONPATH=str(benches) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    failed = 0
+    if args.rust:
+        print("## cargo bench --bench core\n", flush=True)
+        failed |= subprocess.call(["cargo", "bench", "--bench", "core"], cwd=root) != 0
+    for script, quick in BENCHES:
+        print(f"\n## benches/{script}\n", flush=True)
+        extra = quick if args.quick else []
+        failed |= subprocess.call([sys.executable, str(benches / script), *extra], cwd=root, env=env) != 0
+    return 1 if failed else 0
+
+
 # ---- entry point -----------------------------------------------------------------------------
 
 
@@ -248,12 +282,17 @@ def build_parser() -> argparse.ArgumentParser:
     sim.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     sim.add_argument("--plot", metavar="FILE.png", help="draw hit rate and throughput per turn")
     sim.add_argument("--quiet", action="store_true", help="no progress bar")
+    bench_parser = commands.add_parser("bench", help="run the core and data-plane benches and print their ratio tables")
+    bench_parser.add_argument("--quick", action="store_true", help="fewer repeats")
+    bench_parser.add_argument("--rust", action="store_true", help="also run the criterion benches (cargo bench)")
     return parser
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    if args.command == "bench":
+        return bench(args)
     try:
         mix = resolve_mix(args.preset, args.groups, args.prefix_match_unit)
     except ValueError as err:
