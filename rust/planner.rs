@@ -376,7 +376,6 @@ impl KeyPlanner {
         saved_offset: u64,
         exists: &dyn Fn(&str) -> bool,
     ) -> Result<TailPlan> {
-        self.check_saved_offset(saved_offset)?;
         let plan = |outcome, boundary| Ok(TailPlan { outcome, boundary, puts: Vec::new() });
         if hashes.is_empty() || handoffs.is_empty() {
             return plan(TailOutcome::None, None);

@@ -182,8 +182,18 @@ def test_saved_offset_not_a_multiple_of_s(impl, offset):
     h = fake_hashes(8)
     with raises(ValueError, rf"saved_offset={offset}" if offset > 0 else r"saved_offset"):
         p.plan_save(h, [[1, 2], [3]], 32, saved_offset=offset)
-    with raises(ValueError, rf"saved_offset={offset}" if offset > 0 else r"saved_offset"):
-        p.plan_tail(h, [[1, 2], [3]], [(1, 7, 12)], saved_offset=offset)
+
+
+@pytest.mark.parametrize("offset", [4, 8, 17])
+def test_tail_plans_from_any_saved_offset(impl, offset):
+    # §5's ranges hold for any offset: blocks from min(o // B_g, last) to last.
+    p = fa4_mamba16(impl)
+    h = fake_hashes(8)
+    plan = p.plan_tail(h, [[1, 2, 3, 4, 5, 6, 7, 8], [3]], [(1, 7, 28)], saved_offset=offset)
+    fa_blocks = [block for _, group, block in plan.puts if group == 0]
+    assert fa_blocks == list(range(offset // 4 + 1, 8))
+    with raises(ValueError, r"saved_offset"):
+        p.plan_tail(h, [[1, 2], [3]], [(1, 7, 12)], saved_offset=-16)
 
 
 def test_block_ids_wrong_number_of_tables(impl):

@@ -806,7 +806,7 @@ class KeyPlanner:
     ) -> TailPlan:
         hashes = self._hashes(block_hashes)
         tables = self._tables(block_ids)
-        o = self._saved_offset(saved_offset)
+        o = _non_negative_int("saved_offset", saved_offset)  # §5 holds for any offset
         hand = []
         for item in handoffs:
             item = tuple(item)
