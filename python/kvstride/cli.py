@@ -100,7 +100,8 @@ def _participation_reason(group, takes_part: bool, any_cacheable: bool) -> str:
     return "prefix_cacheable=False: skipped everywhere"
 
 
-def explain(mix: Mix, args, out=sys.stdout) -> int:
+def explain(mix: Mix, args, out=None) -> int:
+    out = out if out is not None else sys.stdout  # looked up per call: stdout may be redirected
     groups, unit, dcp = list(mix.groups), mix.prefix_match_unit, args.dcp
     print(f"mix: {mix.name}  --groups \"{format_groups(groups)}\"", file=out)
     if mix.note:
@@ -212,6 +213,7 @@ def simulate(mix: Mix, args) -> int:
         seed=int(args.seed) if str(args.seed).isdigit() else 0,
         dcp=args.dcp,
         fault_every=args.fault_every,
+        chunk_tokens=args.chunk_tokens,
         progress=not args.json and not args.quiet,
     )
     result = run_simulation(cfg)
@@ -278,7 +280,19 @@ def build_parser() -> argparse.ArgumentParser:
     sim.add_argument("--token-bytes", type=int, default=64, help="KV bytes per token per attention group")
     sim.add_argument("--state-bytes", type=int, default=16384, help="bytes of one Mamba state")
     sim.add_argument("--store-mb", type=int, default=1024, help="store capacity (MiB)")
-    sim.add_argument("--fault-every", type=int, default=0, help="every N turns corrupt values, restart or evict the store")
+    sim.add_argument(
+        "--fault-every",
+        type=int,
+        default=0,
+        help="before every N-th batch of requests corrupt values, restart or evict the store (in turn)",
+    )
+    sim.add_argument(
+        "--chunk-tokens",
+        type=int,
+        default=1024,
+        help="prefill chunk size (rounded up to the lookup alignment, at least S); Mamba states "
+        "are handed off at chunk ends",
+    )
     sim.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     sim.add_argument("--plot", metavar="FILE.png", help="draw hit rate and throughput per turn")
     sim.add_argument("--quiet", action="store_true", help="no progress bar")

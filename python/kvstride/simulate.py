@@ -9,9 +9,7 @@ check every loaded byte against what a recompute would have written.
 
 from __future__ import annotations
 
-import json
 import random
-import statistics
 import sys
 import time
 from dataclasses import dataclass, field
@@ -19,7 +17,7 @@ from typing import Dict, List, Optional
 
 import torch
 
-from kvstride import _core
+from kvstride import _core, faults
 from kvstride.engine import LoadRequest, OffloadEngine, SaveRequest
 from kvstride.layout import KVLayout
 from kvstride.mixes import Mix, format_groups
@@ -45,7 +43,8 @@ class SimConfig:
     algo: str = "sha256_cbor"
     seed: int = 0
     dcp: int = 1
-    fault_every: int = 0
+    fault_every: int = 0  # inject a store fault before every N-th batch of requests
+    chunk_tokens: int = 1024  # prefill chunk (rounded up to the alignment, at least S)
     progress: bool = True
 
 
@@ -172,10 +171,14 @@ class Simulation:
             self.pool.register(self.store.register_buffer)
         self.transfer = Transfer(self.cache.layout, self.pool)
         self.engine = OffloadEngine(self.planner, self.transfer, self.store)
+        a = self.planner.alignment
+        self.chunk = max(self.s, -(-max(1, cfg.chunk_tokens) // a) * a)
         self.history: List[dict] = []
         self.wrong_bytes = 0
         self.verified_bytes = 0
         self.faults: Dict[str, int] = {}
+        self.rounds = 0
+        self.convs: List[Conversation] = []
 
     def _open_store(self):
         cfg = self.cfg
@@ -208,23 +211,41 @@ class Simulation:
             parent = conv.hashes[-1] if conv.hashes else None
             conv.hashes.extend(self.hasher.hash_blocks(conv.tokens[done:full], self.h, parent=parent))
 
-    def _inject_fault(self, round_index: int) -> None:
-        kind = ("corrupt", "restart", "evict")[(round_index // self.cfg.fault_every) % 3]
+    def _known_keys(self, convs: List[Conversation]) -> List[str]:
+        """Every key the lookups of ``convs`` consult: what the store can hold for them."""
+        keys: Dict[str, None] = {}
+        for conv in convs:
+            if conv.hashes:
+                keys.update(dict.fromkeys(self.planner.lookup_keys(conv.hashes, len(conv.tokens))))
+        return list(keys)
+
+    FAULT_KINDS = ("corrupt", "restart", "evict")
+
+    def _inject_fault(self, batch: List[Conversation]) -> str:
+        """One store fault before a batch of requests, in turn: corrupt values the batch will
+        read, restart the store, evict half of what it holds."""
+        kind = self.FAULT_KINDS[(self.rounds // self.cfg.fault_every - 1) % len(self.FAULT_KINDS)]
         store = self.store
+        if kind == "restart" and not faults.can_restart(store, self.master):
+            kind = "evict"  # a master we did not start: evict instead
         if kind == "corrupt":
-            victims = store.corrupt_for_testing(self.rng, 8)
+            victims = faults.corrupt_values(store, self.rng, 8, keys=self._known_keys(batch))
             self.faults["corrupted_values"] = self.faults.get("corrupted_values", 0) + victims
         elif kind == "restart":
-            store.restart_for_testing(self.master)
+            faults.restart(store, self.master)
             self.faults["store_restarts"] = self.faults.get("store_restarts", 0) + 1
         else:
-            store.evict_for_testing(self.rng, 0.5)
-            self.faults["evictions"] = self.faults.get("evictions", 0) + 1
+            keys = None if isinstance(store, EmbeddedStore) else self._known_keys(self.convs)
+            removed = faults.evict(store, self.rng, 0.5, keys=keys)
+            self.faults["evicted_values"] = self.faults.get("evicted_values", 0) + removed
+        self.faults[f"fault_{kind}"] = self.faults.get(f"fault_{kind}", 0) + 1
+        return kind
 
     def run(self) -> dict:
         cfg = self.cfg
         system = self._tokens(cfg.system_tokens)
         convs = [Conversation(f"conv{i}", system + self._tokens(cfg.user_tokens)) for i in range(cfg.conversations)]
+        self.convs = convs
         progress = None
         if cfg.progress:
             try:
@@ -235,8 +256,6 @@ class Simulation:
                 progress = None
         started = time.perf_counter()
         for turn in range(cfg.turns):
-            if cfg.fault_every and turn and turn % cfg.fault_every == 0:
-                self._inject_fault(turn)
             for first in range(0, len(convs), cfg.batch):
                 self._round(turn, convs[first : first + cfg.batch])
             if progress is not None:
@@ -248,20 +267,24 @@ class Simulation:
         return self.summary(time.perf_counter() - started)
 
     def _round(self, turn: int, convs: List[Conversation]) -> None:
-        cfg, planner = self.cfg, self.planner
-        round_start = time.perf_counter()
-        before = dict(self.engine.counters)
+        cfg, planner, cache = self.cfg, self.planner, self.cache
         for conv in convs:
             self._hash_more(conv)
+        if cfg.fault_every and self.rounds and self.rounds % cfg.fault_every == 0:
+            self.engine.wait_idle()
+            self._inject_fault(convs)
+        self.rounds += 1
+        round_start = time.perf_counter()
+        before = dict(self.engine.counters)
         hits = self.engine.lookup([(c.req_id, c.hashes, len(c.tokens)) for c in convs])
         tables: Dict[str, List[List[int]]] = {}
         for conv in convs:
             n = len(conv.tokens)
             tables[conv.req_id] = [
-                self.allocator.allocate(g, -(-n // self.cache.block_tokens(g))) for g in range(len(self.groups))
+                self.allocator.allocate(g, -(-n // cache.block_tokens(g))) for g in range(len(self.groups))
             ]
             for g, table in enumerate(tables[conv.req_id]):
-                self.cache.tensors[g][table] = GARBAGE
+                cache.tensors[g][table] = GARBAGE
         loads = [
             LoadRequest(c.req_id, c.hashes, tables[c.req_id], hits[c.req_id]) for c in convs if hits[c.req_id] > 0
         ]
@@ -277,30 +300,45 @@ class Simulation:
             if hit:
                 self._verify(conv, tables[conv.req_id], hit)
             verified_hits[conv.req_id] = hit
-        saves = []
-        cows: Dict[str, List[tuple]] = {}
-        for conv in convs:
-            n, hit, table = len(conv.tokens), verified_hits[conv.req_id], tables[conv.req_id]
-            handoffs = []
-            boundary = min(n, len(conv.hashes) * self.h) // planner.alignment * planner.alignment
-            for g, spec in enumerate(self.groups):
-                if spec.kind == "mamba":
-                    if boundary and planner.hashes_per_block[g]:
-                        (cow,) = self.allocator.allocate(g, 1)
-                        self.cache.tensors[g][cow] = self.cache.expected_state(g, conv.hashes[boundary // self.h - 1])
-                        handoffs.append((g, cow, boundary))
-                        cows.setdefault(conv.req_id, []).append((g, cow))
-                else:
-                    self.cache.write_tokens(g, table[g], conv.hashes, hit, n)
-            saves.append(SaveRequest(conv.req_id, list(conv.hashes), table, n, handoffs))
-        self.engine.submit(saves=saves)
-        self.engine.wait_idle()
-        finished = self.engine.get_finished()
+        # Chunked prefill of [hit, n): one engine step per chunk, all requests of the batch
+        # advancing together, each step saving up to its chunk end and handing off the Mamba
+        # state at the last aligned boundary it reached (a fresh copy-on-write block).
+        a = planner.alignment
+        progress = {c.req_id: verified_hits[c.req_id] for c in convs}  # tokens computed
+        handed = {c.req_id: verified_hits[c.req_id] for c in convs}  # last Mamba state stored
+        saves_failed: set = set()
+        while True:
+            step = [c for c in convs if progress[c.req_id] < len(c.tokens)]
+            if not step:
+                break
+            saves, cows = [], []
+            for conv in step:
+                n, table = len(conv.tokens), tables[conv.req_id]
+                lo = progress[conv.req_id]
+                hi = min(n, lo + self.chunk)
+                progress[conv.req_id] = hi
+                boundary = min(hi, len(conv.hashes) * self.h) // a * a
+                handoffs = []
+                for g, spec in enumerate(self.groups):
+                    if spec.kind == "mamba":
+                        if boundary > handed[conv.req_id] and planner.hashes_per_block[g]:
+                            (cow,) = self.allocator.allocate(g, 1)
+                            cache.tensors[g][cow] = cache.expected_state(g, conv.hashes[boundary // self.h - 1])
+                            handoffs.append((g, cow, boundary))
+                            cows.append((g, cow))
+                    else:
+                        cache.write_tokens(g, table[g], conv.hashes, lo, hi)
+                if handoffs:
+                    handed[conv.req_id] = boundary
+                saves.append(SaveRequest(conv.req_id, list(conv.hashes), table, hi, handoffs))
+            self.engine.submit(saves=saves)
+            self.engine.wait_idle()
+            saves_failed |= self.engine.get_finished().saves_failed
+            for g, cow in cows:
+                self.allocator.release(g, [cow])
         for conv in convs:
             for g, table in enumerate(tables[conv.req_id]):
                 self.allocator.release(g, table)
-            for g, cow in cows.get(conv.req_id, []):
-                self.allocator.release(g, [cow])
             # Each turn is a new request to the engine; what it stored stays in the store.
             self.engine.finish_request(conv.req_id)
         after = self.engine.counters
@@ -315,7 +353,7 @@ class Simulation:
                 "bytes_moved": (after["bytes_loaded"] - before.get("bytes_loaded", 0))
                 + (after["bytes_stored"] - before.get("bytes_stored", 0)),
                 "seconds": elapsed,
-                "saves_failed": len(finished.saves_failed),
+                "saves_failed": len(saves_failed),
             }
         )
 
@@ -343,7 +381,7 @@ class Simulation:
         hit = sum(r["hit_tokens"] for r in self.history)
         put_seconds = sum(t.get("put", []))
         get_seconds = sum(t.get("get", []))
-        outcomes = {k: v for k, v in sorted(c.items()) if k.startswith(("tail_", "put_", "get_", "loads_", "load_", "save_", "lookup_errors", "refused"))}
+        outcomes = {k: v for k, v in sorted(c.items()) if k.startswith(("tail_", "put_", "get_", "loads_", "load_", "save_", "saves_", "lookup_errors", "refused", "worker_errors"))}
         outcomes.update(self.faults)
         return {
             "mix": self.cfg.mix.name,
@@ -354,6 +392,7 @@ class Simulation:
             "store": self.cfg.store,
             "conversations": self.cfg.conversations,
             "turns": self.cfg.turns,
+            "chunk_tokens": self.chunk,
             "verified": self.wrong_bytes == 0,
             "wrong_bytes": self.wrong_bytes,
             "verified_bytes": self.verified_bytes,
@@ -369,17 +408,19 @@ class Simulation:
                 for op in ("lookup", "put", "get")
             },
             "outcomes": outcomes,
+            "faults": dict(self.faults),
             "seconds": seconds,
             "history": self.history,
         }
 
 
-def print_table(result: dict, out=sys.stdout) -> None:
+def print_table(result: dict, out=None) -> None:
+    out = out if out is not None else sys.stdout  # looked up per call: stdout may be redirected
     rows = [
         ("mix", f"{result['mix']}  ({result['groups']})"),
         ("S / H", f"{result['S']} / {result['H']}  partial hits {'on' if result['partial_hits'] else 'off'}"),
         ("store", result["store"]),
-        ("requests", f"{result['conversations']} conversations x {result['turns']} turns"),
+        ("requests", f"{result['conversations']} conversations x {result['turns']} turns, prefill chunks of {result['chunk_tokens']} tokens"),
         ("hit rate", f"{result['hit_rate']:.1%}  ({result['tokens_saved']} of {result['prompt_tokens']} prompt tokens)"),
         ("verified", f"{result['verified']}  ({result['verified_bytes']} loaded bytes checked, {result['wrong_bytes']} wrong)"),
         ("stored", f"{result['bytes_stored'] / 1e6:.1f} MB at {result['put_gbps']:.2f} GB/s"),

@@ -1,0 +1,668 @@
+"""kvstride.engine.OffloadEngine with real torch CPU tensors, KVLayout, Transfer and stores:
+save -> lookup -> load round trips byte for byte, one existence call per lookup batch, key
+dedup across requests, offsets that move only after every put succeeded, failed gets that
+never reach a KV block, divergent hand-offs, threads, shutdown and jobs that raise."""
+
+from __future__ import annotations
+
+import ctypes
+import random
+import threading
+import time
+import uuid
+
+import pytest
+import torch
+
+from kvstride import _core
+from kvstride.engine import LoadRequest, OffloadEngine, SaveRequest
+from kvstride.faults import corrupt_values
+from kvstride.layout import KVLayout
+from kvstride.mixes import parse_groups
+from kvstride.stores import EmbeddedStore, Status
+from kvstride.transfer import StagingPool, Transfer
+from mooncake_fixture import mooncake_master, mooncake_store  # noqa: F401
+
+SENTINEL = 0xEE
+NUM_BLOCKS = 160
+
+# name -> (groups, prefix_match_unit)
+MIXES = {
+    "fa": ("full_attention:16", None),
+    "ring4+fa64": ("full_attention:64,circular_buffer:4", None),  # FA 1152 + ring 4, scaled down
+    "glm-like": ("full_attention:128,circular_buffer:4,mamba:128", 32),  # glm-ring, scaled down
+    "fa+mamba": ("full_attention:16,mamba:64", None),
+    "fa+swa": ("full_attention:16,sliding_window:16:window=32", None),
+    "two-mamba": ("full_attention:16,mamba:64,mamba:64", None),
+    "glm-real": ("full_attention:1152,circular_buffer:4,mamba:1152", 64),
+}
+
+
+# ---- a small rig: KV tensors, planner, transfer, store, engine ------------------------------
+
+
+class Rig:
+    def __init__(self, mix: str, store=None, pool_bytes: int = 4 << 20, register=False) -> None:
+        text, unit = MIXES[mix]
+        self.groups = list(parse_groups(text))
+        self.s, self.h = _core.resolve_block_sizes(self.groups, prefix_match_unit=unit)
+        self.planner = _core.KeyPlanner(
+            self.groups,
+            hash_block_size=self.h,
+            scheduler_block_size=self.s,
+            namespace=f"test-engine-{uuid.uuid4().hex[:8]}",
+        )
+        self.kv, names = {}, []
+        for g, spec in enumerate(self.groups):
+            name = f"g{g}"
+            if spec.kind == "mamba":  # conv + SSM state
+                self.kv[name] = [torch.empty(NUM_BLOCKS, 3, 8, dtype=torch.float16), torch.empty(NUM_BLOCKS, 2, 16, dtype=torch.float32)]
+            else:  # a 4-token ring needs many blocks for a long request
+                blocks = 1024 if spec.block_size < 16 else NUM_BLOCKS
+                self.kv[name] = torch.empty(blocks, spec.block_size, 2, 4, dtype=torch.bfloat16)
+            names.append([name])
+        self.names = [n[0] for n in names]
+        self.layout = KVLayout(self.kv, names)
+        self.pool = StagingPool(pool_bytes)
+        self.store = store if store is not None else EmbeddedStore(64 << 20, fingerprint=self.layout.fingerprint())
+        if register:
+            self.pool.register(self.store.register_buffer)
+        self.transfer = Transfer(self.layout, self.pool)
+        self.engine = OffloadEngine(self.planner, self.transfer, self.store)
+        self.free = [list(range(1, g.num_blocks)) for g in self.layout.groups]
+        self.rng = random.Random(7)
+        self.hasher = _core.BlockHasher("sha256_cbor", seed="0")
+        self.gen = torch.Generator().manual_seed(3)
+
+    def close(self) -> None:
+        self.engine.shutdown()
+
+    # -- requests --
+    def tokens(self, n: int):
+        return [self.rng.randrange(1, 50_000) for _ in range(n)]
+
+    def hashes(self, tokens):
+        return self.hasher.hash_blocks(tokens, self.h)
+
+    def tensors(self, g: int):
+        value = self.kv[self.names[g]]
+        return [value] if isinstance(value, torch.Tensor) else list(value)
+
+    def alloc(self, g: int, count: int):
+        out, self.free[g] = self.free[g][:count], self.free[g][count:]
+        assert len(out) == count, "rig out of blocks"
+        return out
+
+    def table(self, n: int):
+        return [self.alloc(g, -(-n // spec.block_size)) for g, spec in enumerate(self.groups)]
+
+    def fill(self, g: int, ids, value=None) -> None:
+        for t in self.tensors(g):
+            for b in ids:
+                block = t[b].view(torch.uint8)
+                if value is None:
+                    block.copy_(torch.randint(0, 256, block.shape, dtype=torch.uint8, generator=self.gen))
+                else:
+                    block.fill_(value)
+
+    def block(self, g: int, b: int) -> bytes:
+        return b"".join(t[b].contiguous().view(torch.uint8).numpy().tobytes() for t in self.tensors(g))
+
+    def source_request(self, n: int, tokens=None, shared_tables=None):
+        """A computed request: tokens, hashes, block tables with random content, and a Mamba
+        hand-off (fresh copy-on-write block) at the last aligned boundary."""
+        tokens = tokens if tokens is not None else self.tokens(n)
+        hashes = self.hashes(tokens)
+        tables = self.table(n)
+        for g, table in enumerate(tables):
+            if self.groups[g].kind != "mamba":
+                self.fill(g, table)
+        boundary = min(n, len(hashes) * self.h) // self.planner.alignment * self.planner.alignment
+        handoffs = []
+        for g, spec in enumerate(self.groups):
+            if spec.kind == "mamba" and boundary and self.planner.hashes_per_block[g]:
+                (cow,) = self.alloc(g, 1)
+                self.fill(g, [cow])
+                handoffs.append((g, cow, boundary))
+        return tokens, hashes, tables, handoffs
+
+    def sources(self, hashes, tables, n, handoffs):
+        """key -> (group, source block) of everything a save from offset 0 writes."""
+        out = {}
+        for key, g, b in self.planner.plan_save(hashes, tables, n).puts:
+            out.setdefault(key, (g, b))
+        if handoffs:
+            for key, g, b in self.planner.plan_tail(hashes, tables, handoffs).puts:
+                out.setdefault(key, (g, b))
+        return out
+
+    def run(self, saves=(), loads=()):
+        self.engine.submit(saves=saves, loads=loads)
+        assert self.engine.wait_idle(30)
+        return self.engine.get_finished()
+
+    def destination(self, n: int):
+        tables = self.table(n)
+        for g, table in enumerate(tables):
+            self.fill(g, table, SENTINEL)
+        return tables
+
+    def check_loaded(self, hashes, dst, hit, sources, skip=()):
+        """Every block the load plan names equals its source byte for byte (those in
+        ``skip`` must still hold the sentinel). Returns the number of blocks checked."""
+        plan = self.planner.plan_load(hashes, dst, hit)
+        assert plan.gets and not plan.missing
+        for key, g, b in plan.gets:
+            got = self.block(g, b)
+            if (g, b) in skip:
+                assert got == bytes([SENTINEL]) * len(got), f"failed block {(g, b)} was written"
+            else:
+                sg, sb = sources[key]
+                assert sg == g and got == self.block(g, sb), f"block {(g, b)} differs from its source {sb}"
+        return len(plan.gets)
+
+
+@pytest.fixture
+def rig_factory():
+    rigs = []
+
+    def make(*args, **kwargs):
+        rig = Rig(*args, **kwargs)
+        rigs.append(rig)
+        return rig
+
+    yield make
+    for rig in rigs:
+        rig.close()
+
+
+class Spy:
+    """Wraps a store: counts calls, lets a test replace answers, and fails the test (through
+    ``violations``) on any call after ``close``."""
+
+    def __init__(self, inner) -> None:
+        self.inner = inner
+        self.calls = []  # (op, keys)
+        self.violations = []
+        self.closed = False
+        self.put_hook = None  # (keys, buffers) -> statuses, or None for the inner store
+        self.get_hook = None
+        self.delay = 0.0
+
+    def _enter(self, op, keys):
+        if self.closed:
+            self.violations.append((op, list(keys)))
+            raise AssertionError(f"store.{op} called after close")
+        self.calls.append((op, list(keys)))
+        if self.delay:
+            time.sleep(self.delay)
+
+    def exists(self, keys):
+        self._enter("exists", keys)
+        return self.inner.exists(keys)
+
+    def put(self, keys, buffers):
+        self._enter("put", keys)
+        if self.put_hook is not None:
+            return self.put_hook(keys, buffers)
+        return self.inner.put(keys, buffers)
+
+    def get(self, keys, buffers):
+        self._enter("get", keys)
+        if self.get_hook is not None:
+            return self.get_hook(keys, buffers)
+        return self.inner.get(keys, buffers)
+
+    def register_buffer(self, ptr, nbytes):
+        self.inner.register_buffer(ptr, nbytes)
+
+    def remove(self, keys):
+        self.inner.remove(keys)
+
+    def close(self):
+        self.closed = True
+        self.inner.close()
+
+    def ops(self, op):
+        return [keys for o, keys in self.calls if o == op]
+
+
+def spy_rig(factory, mix="fa", **kwargs):
+    inner = EmbeddedStore(64 << 20)
+    spy = Spy(inner)
+    return factory(mix, store=spy, **kwargs), spy
+
+
+# ---- round trips ------------------------------------------------------------------------
+
+
+def _round_trip(rig, n):
+    tokens, hashes, tables, handoffs = rig.source_request(n)
+    sources = rig.sources(hashes, tables, n, handoffs)
+    done = rig.run(saves=[SaveRequest("r", hashes, tables, n, handoffs)])
+    assert done.saves_done == {"r"} and not done.saves_failed
+    assert rig.engine.saved_offset("r") == n // rig.s * rig.s
+    hit = rig.engine.lookup([("again", hashes, n)])["again"]
+    a = rig.planner.alignment
+    if rig.planner.partial_hits:
+        assert hit == n // a * a  # the hand-off boundary
+    else:
+        assert hit == n // rig.s * rig.s
+    dst = rig.destination(n)
+    done = rig.run(loads=[LoadRequest("again", hashes, dst, hit)])
+    assert done.loads_done == {"again"} and not done.loads_failed
+    assert rig.check_loaded(hashes, dst, hit, sources) > 0
+    return hit
+
+
+@pytest.mark.parametrize("mix", ["fa", "ring4+fa64", "glm-like", "fa+mamba", "fa+swa"])
+def test_save_lookup_load_round_trip(rig_factory, mix):
+    rig = rig_factory(mix)
+    n = {"ring4+fa64": 200, "glm-like": 300}.get(mix, 100)
+    hit = _round_trip(rig, n)
+    assert hit > 0
+    if mix in ("ring4+fa64", "glm-like"):  # the ring is never keyed, stored or loaded
+        assert rig.planner.hashes_per_block[1] == 0
+        assert rig.store.keys() and all("@group:1@" not in k for k in rig.store.keys())
+
+
+def test_round_trip_glm_real_sizes(rig_factory):
+    """The real glm-ring geometry: FA 1152 + ring 4 + Mamba 1152, H = 64."""
+    rig = rig_factory("glm-real")
+    assert (rig.s, rig.h) == (1152, 64) and rig.planner.hashes_per_block[1] == 0
+    assert _round_trip(rig, 1300) == 1280
+
+
+def test_round_trip_mooncake(rig_factory, mooncake_store):
+    rig = rig_factory("glm-like", store=mooncake_store, register=True)
+    assert _round_trip(rig, 300) == 288
+
+
+def test_mamba_handoffs_at_chunk_ends(rig_factory):
+    """Hand-offs at several chunk ends of one request: each boundary becomes a hit for a
+    request sharing that prefix, with the Mamba state of that boundary."""
+    rig = rig_factory("fa+mamba")
+    n = 200
+    tokens = rig.tokens(n)
+    hashes = rig.hashes(tokens)
+    tables = rig.table(n)
+    for g, table in enumerate(tables):
+        if rig.groups[g].kind != "mamba":
+            rig.fill(g, table)
+    sources = {}
+    for end in (64, 128, n):
+        boundary = end // 16 * 16
+        (cow,) = rig.alloc(1, 1)
+        rig.fill(1, [cow])
+        handoffs = [(1, cow, boundary)]
+        sources.update(rig.sources(hashes, tables, end, handoffs))
+        done = rig.run(saves=[SaveRequest("r", hashes, tables, end, handoffs)])
+        assert not done.saves_failed
+    # A request sharing the first 130 tokens: its longest hit is the 128-token hand-off.
+    other = tokens[:130] + rig.tokens(50)
+    other_hashes = rig.hashes(other)
+    hit = rig.engine.lookup([("o", other_hashes, len(other))])["o"]
+    assert hit == 128
+    dst = rig.destination(len(other))
+    assert not rig.run(loads=[LoadRequest("o", other_hashes, dst, hit)]).loads_failed
+    rig.check_loaded(other_hashes, dst, hit, sources)
+    # And the whole request: hit at its last boundary (192).
+    assert rig.engine.lookup([("w", hashes, n + 5)])["w"] == 192
+
+
+# ---- lookup: one existence call per batch ------------------------------------------------
+
+
+def test_lookup_one_exists_call_per_batch(rig_factory):
+    rig, spy = spy_rig(rig_factory, "fa+mamba")
+    reqs = []
+    for i in range(3):
+        tokens, hashes, tables, handoffs = rig.source_request(100 + 20 * i)
+        rig.run(saves=[SaveRequest(f"s{i}", hashes, tables, len(tokens), handoffs)])
+        reqs.append((f"q{i}", hashes, len(tokens)))
+    reqs.append(("new", rig.hashes(rig.tokens(90)), 90))
+    spy.calls.clear()
+    hits = rig.engine.lookup(reqs)
+    assert len(spy.calls) == 1 and spy.calls[0][0] == "exists"
+    asked = spy.calls[0][1]
+    assert len(asked) == len(set(asked))  # each key asked once
+    assert [hits[f"q{i}"] for i in range(3)] == [96, 112, 128] and hits["new"] == 0
+    # A batch sharing keys still makes one call, with the shared keys once.
+    spy.calls.clear()
+    rig.engine.lookup([("a", reqs[0][1], 100), ("b", reqs[0][1], 100)])
+    assert len(spy.calls) == 1 and len(spy.calls[0][1]) == len(set(spy.calls[0][1]))
+
+
+def test_lookup_store_error_is_a_miss(rig_factory):
+    rig, spy = spy_rig(rig_factory)
+
+    def broken(keys):
+        raise RuntimeError("exists broke")
+
+    spy.exists = broken
+    hashes = rig.hashes(rig.tokens(64))
+    assert rig.engine.lookup([("r", hashes, 64)]) == {"r": 0}
+    assert rig.engine.counters["lookup_errors"] == 1
+
+
+# ---- saves --------------------------------------------------------------------------------
+
+
+def test_two_requests_sharing_a_prefix_put_each_key_once(rig_factory):
+    rig, spy = spy_rig(rig_factory, "fa+mamba")
+    prefix = rig.tokens(128)
+    a_tokens, a_hashes, a_tables, a_handoffs = rig.source_request(160, tokens=prefix + rig.tokens(32))
+    b_tokens = prefix + rig.tokens(48)
+    b_hashes = rig.hashes(b_tokens)
+    b_tables = rig.table(len(b_tokens))
+    # The shared prefix has the same content in both requests' blocks.
+    for g, spec in enumerate(rig.groups):
+        if spec.kind != "mamba":
+            rig.fill(g, b_tables[g])
+            for i in range(128 // spec.block_size):
+                for t in rig.tensors(g):
+                    t[b_tables[g][i]].copy_(t[a_tables[g][i]])
+    (cow,) = rig.alloc(1, 1)
+    rig.fill(1, [cow])
+    b_handoffs = [(1, cow, 176)]
+    done = rig.run(
+        saves=[
+            SaveRequest("a", a_hashes, a_tables, 160, a_handoffs),
+            SaveRequest("b", b_hashes, b_tables, 176, b_handoffs),
+        ]
+    )
+    assert done.saves_done == {"a", "b"} and not done.saves_failed
+    put_keys = [k for keys in spy.ops("put") for k in keys]
+    assert len(put_keys) == len(set(put_keys))
+    expected = set(rig.sources(a_hashes, a_tables, 160, a_handoffs)) | set(rig.sources(b_hashes, b_tables, 176, b_handoffs))
+    assert set(put_keys) == expected
+    assert len(spy.ops("exists")) == 1  # one existence call for the job
+    assert rig.engine.saved_offset("a") == 128 and rig.engine.saved_offset("b") == 128
+    # Saving again puts nothing: every key is present.
+    spy.calls.clear()
+    rig.run(saves=[SaveRequest("a", a_hashes, a_tables, 160, a_handoffs)])
+    assert spy.ops("put") == []
+
+
+def test_offset_advances_only_after_every_put_succeeded(rig_factory):
+    rig, spy = spy_rig(rig_factory, "fa")
+    tokens, hashes, tables, _ = rig.source_request(100)
+    victim = rig.planner.key(0, hashes[3])
+
+    def fail_one(keys, buffers):
+        kept = [(k, b) for k, b in zip(keys, buffers) if k != victim]
+        statuses = iter(spy.inner.put([k for k, _ in kept], [b for _, b in kept]))
+        return [Status.FULL if k == victim else next(statuses) for k in keys]
+
+    spy.put_hook = fail_one
+    done = rig.run(saves=[SaveRequest("r", hashes, tables, 100)])
+    assert done.saves_done == {"r"} and done.saves_failed == {"r"}
+    assert rig.engine.saved_offset("r") == 0
+    assert rig.engine.counters["put_full"] == 1
+    assert spy.inner.exists([victim]) == [False]
+    # A later step of the same request retries from the old offset: only the missing key.
+    spy.put_hook = None
+    spy.calls.clear()
+    done = rig.run(saves=[SaveRequest("r", hashes, tables, 100)])
+    assert not done.saves_failed
+    assert spy.ops("put") == [[victim]]
+    assert rig.engine.saved_offset("r") == 96
+    assert rig.engine.lookup([("q", hashes, 100)])["q"] == 96
+
+
+def test_failing_store_keeps_offset_and_next_save_retries(rig_factory):
+    rig, spy = spy_rig(rig_factory, "fa+mamba")
+    tokens, hashes, tables, handoffs = rig.source_request(150)
+    spy.put_hook = lambda keys, buffers: [Status.UNAVAILABLE] * len(keys)
+    done = rig.run(saves=[SaveRequest("r", hashes, tables, 150, handoffs)])
+    assert done.saves_failed == {"r"} and rig.engine.saved_offset("r") == 0
+    assert rig.engine.counters["put_unavailable"] > 0
+    assert rig.engine.lookup([("q", hashes, 150)])["q"] == 0
+    spy.put_hook = None
+    done = rig.run(saves=[SaveRequest("r", hashes, tables, 150, handoffs)])
+    assert not done.saves_failed and rig.engine.saved_offset("r") == 128
+    assert rig.engine.lookup([("q", hashes, 150)])["q"] == 144
+
+
+def test_short_store_answer_is_a_failure(rig_factory):
+    """A store answering fewer statuses than keys must not read as success."""
+    rig, spy = spy_rig(rig_factory, "fa")
+    tokens, hashes, tables, _ = rig.source_request(64)
+    spy.put_hook = lambda keys, buffers: spy.inner.put(keys, buffers)[:-1]
+    done = rig.run(saves=[SaveRequest("r", hashes, tables, 64)])
+    assert done.saves_failed == {"r"} and rig.engine.saved_offset("r") == 0
+
+
+def test_divergent_boundaries_skip_the_tail_not_the_save(rig_factory):
+    rig, spy = spy_rig(rig_factory, "two-mamba")
+    n = 150
+    tokens = rig.tokens(n)
+    hashes = rig.hashes(tokens)
+    tables = rig.table(n)
+    rig.fill(0, tables[0])
+    cow1, cow2 = rig.alloc(1, 1)[0], rig.alloc(2, 1)[0]
+    rig.fill(1, [cow1])
+    rig.fill(2, [cow2])
+    handoffs = [(1, cow1, 144), (2, cow2, 128)]
+    assert rig.planner.plan_tail(hashes, tables, handoffs).outcome == "divergent_boundaries"
+    done = rig.run(saves=[SaveRequest("r", hashes, tables, n, handoffs)])
+    assert done.saves_done == {"r"} and not done.saves_failed
+    assert rig.engine.counters["tail_divergent_boundaries"] == 1
+    assert rig.engine.saved_offset("r") == 128
+    put_keys = {k for keys in spy.ops("put") for k in keys}
+    normal = {k for k, _, _ in rig.planner.plan_save(hashes, tables, n).puts}
+    assert put_keys == normal and normal  # the normal save went on, no Mamba state stored
+    assert all("@group:0@" in k for k in put_keys)
+    # The next step with agreeing hand-offs stores the tail.
+    done = rig.run(saves=[SaveRequest("r", hashes, tables, n, [(1, cow1, 144), (2, cow2, 144)])])
+    assert not done.saves_failed and rig.engine.counters["tail_planned"] == 1
+    assert rig.engine.lookup([("q", hashes, n)])["q"] == 144
+
+
+# ---- loads --------------------------------------------------------------------------------
+
+
+def test_corrupt_or_missing_get_never_reaches_a_block(rig_factory):
+    rig, spy = spy_rig(rig_factory, "fa+mamba")
+    n = 150
+    tokens, hashes, tables, handoffs = rig.source_request(n)
+    sources = rig.sources(hashes, tables, n, handoffs)
+    rig.run(saves=[SaveRequest("r", hashes, tables, n, handoffs)])
+    hit = rig.engine.lookup([("q", hashes, n)])["q"]
+    assert hit == 144
+    dst = rig.destination(n)
+    plan = rig.planner.plan_load(hashes, dst, hit)
+    corrupt_key, missing_key = plan.gets[1][0], plan.gets[-1][0]  # an FA block and the Mamba state
+    assert plan.gets[-1][1] == 1
+
+    def bad_get(keys, buffers):
+        statuses = spy.inner.get(keys, buffers)
+        out = []
+        for k, s, parts in zip(keys, statuses, buffers):
+            if k in (corrupt_key, missing_key):
+                for addr, size in parts:  # junk in the staging buffer: must not be scattered
+                    ctypes.memset(addr, 0x5A, size)
+                s = Status.CORRUPT if k == corrupt_key else Status.MISSING
+            out.append(s)
+        return out
+
+    spy.get_hook = bad_get
+    done = rig.run(loads=[LoadRequest("q", hashes, dst, hit)])
+    failed = {(g, b) for k, g, b in plan.gets if k in (corrupt_key, missing_key)}
+    assert done.loads_done == {"q"} and done.loads_failed == {"q": failed}
+    assert rig.engine.counters["get_corrupt"] == 1 and rig.engine.counters["get_missing"] == 1
+    rig.check_loaded(hashes, dst, hit, sources, skip=failed)
+
+
+def test_really_corrupted_value_is_caught_by_the_store(rig_factory):
+    rig = rig_factory("fa")
+    tokens, hashes, tables, _ = rig.source_request(80)
+    sources = rig.sources(hashes, tables, 80, [])
+    rig.run(saves=[SaveRequest("r", hashes, tables, 80)])
+    victim = rig.planner.key(0, hashes[2])
+    assert corrupt_values(rig.store, random.Random(1), 1, keys=[victim]) == 1
+    dst = rig.destination(80)
+    done = rig.run(loads=[LoadRequest("q", hashes, dst, 80)])
+    failed = {(0, dst[0][2])}
+    assert done.loads_failed == {"q": failed}
+    rig.check_loaded(hashes, dst, 80, sources, skip=failed)
+    assert rig.store.exists([victim]) == [False]  # dropped: the next save rewrites it
+
+
+def test_missing_destination_fails_the_whole_load(rig_factory):
+    rig, spy = spy_rig(rig_factory, "fa")
+    tokens, hashes, tables, _ = rig.source_request(64)
+    rig.run(saves=[SaveRequest("r", hashes, tables, 64)])
+    dst = rig.destination(64)
+    dst[0][1] = 0  # a NULL destination
+    spy.calls.clear()
+    done = rig.run(loads=[LoadRequest("q", hashes, dst, 64)])
+    assert done.loads_failed["q"] == {(0, b) for b in dst[0] if b}
+    assert spy.ops("get") == []
+
+
+# ---- threads, shutdown, jobs that raise --------------------------------------------------
+
+
+def test_lookups_from_threads_while_the_worker_saves_and_loads(rig_factory):
+    rig = rig_factory("fa+mamba", pool_bytes=64 << 10)  # small pool: jobs split into batches
+    reqs = [rig.source_request(100 + 10 * i) for i in range(6)]
+    expected = {i: (100 + 10 * i) // 16 * 16 for i in range(6)}
+    errors, seen = [], []
+    stop = threading.Event()
+
+    def looker(t):
+        try:
+            while not stop.is_set():
+                hits = rig.engine.lookup([(f"t{t}-{i}", r[1], len(r[0])) for i, r in enumerate(reqs)])
+                for i in range(6):
+                    assert hits[f"t{t}-{i}"] in (0, expected[i]), hits
+                seen.append(sum(hits.values()))
+        except BaseException as err:  # noqa: BLE001
+            errors.append(err)
+
+    threads = [threading.Thread(target=looker, args=(t,)) for t in range(4)]
+    for th in threads:
+        th.start()
+    for i, (tokens, hashes, tables, handoffs) in enumerate(reqs):
+        rig.engine.submit(saves=[SaveRequest(f"s{i}", hashes, tables, len(tokens), handoffs)])
+    sources = {}
+    for tokens, hashes, tables, handoffs in reqs:
+        sources.update(rig.sources(hashes, tables, len(tokens), handoffs))
+    assert rig.engine.wait_idle(30)
+    dsts = []
+    for round_ in range(3):
+        loads = []
+        for i, (tokens, hashes, _, _) in enumerate(reqs):
+            dst = rig.destination(len(tokens)) if round_ == 0 else dsts[i]
+            if round_ == 0:
+                dsts.append(dst)
+            loads.append(LoadRequest(f"l{i}", hashes, dst, expected[i]))
+        rig.engine.submit(loads=loads)
+    assert rig.engine.wait_idle(30)
+    time.sleep(0.05)
+    stop.set()
+    for th in threads:
+        th.join(10)
+    assert not errors, errors
+    assert seen and max(seen) == sum(expected.values())
+    assert not rig.engine.get_finished().loads_failed
+    for i, (tokens, hashes, _, _) in enumerate(reqs):
+        rig.check_loaded(hashes, dsts[i], expected[i], sources)
+    assert rig.engine.counters["lookups"] == 6 * len(seen)
+
+
+def test_shutdown_runs_queued_jobs_then_refuses_work(rig_factory):
+    rig, spy = spy_rig(rig_factory, "fa")
+    spy.delay = 0.01  # every store call is slow: jobs pile up in the queue
+    reqs = [rig.source_request(64) for _ in range(8)]
+    for i, (tokens, hashes, tables, _) in enumerate(reqs):
+        rig.engine.submit(saves=[SaveRequest(f"r{i}", hashes, tables, 64)])
+    assert rig.engine.shutdown(timeout=30)
+    done = rig.engine.get_finished()
+    assert done.saves_done == {f"r{i}" for i in range(8)} and not done.saves_failed  # none lost
+    keys = [rig.planner.key(0, h) for _, hashes, _, _ in reqs for h in hashes]
+    assert all(spy.inner.exists(keys))
+    spy.close()
+    # After shutdown + close: refused, reported failed, and the store is never called.
+    tokens, hashes, tables, _ = reqs[0]
+    dst = rig.destination(64)
+    rig.engine.submit(saves=[SaveRequest("late", hashes, tables, 64)], loads=[LoadRequest("late-load", hashes, dst, 64)])
+    assert rig.engine.lookup([("late-lookup", hashes, 64)]) == {"late-lookup": 0}
+    rig.engine.wait_idle(5)
+    done = rig.engine.get_finished()
+    assert done.loads_failed == {"late-load": {(0, b) for b in dst[0]}}
+    assert done.saves_failed == {"late"}
+    assert rig.engine.counters["refused_after_shutdown"] == 2
+    assert rig.engine.shutdown() is True  # idempotent
+    time.sleep(0.05)
+    assert spy.violations == []
+    assert all(rig.block(0, b) == bytes([SENTINEL]) * len(rig.block(0, b)) for b in dst[0])
+
+
+def test_submit_racing_shutdown_loses_no_job(rig_factory):
+    rig, spy = spy_rig(rig_factory, "fa")
+    spy.delay = 0.002
+    tokens, hashes, tables, _ = rig.source_request(32)
+    submitted = []
+    go = threading.Event()
+
+    def submitter(t):
+        go.wait()
+        for i in range(40):
+            rid = f"t{t}-{i}"
+            rig.engine.submit(saves=[SaveRequest(rid, hashes, tables, 32)])
+            submitted.append(rid)
+
+    threads = [threading.Thread(target=submitter, args=(t,)) for t in range(3)]
+    for th in threads:
+        th.start()
+    go.set()
+    time.sleep(0.01)
+    assert rig.engine.shutdown(timeout=30)
+    for th in threads:
+        th.join(10)
+    done = rig.engine.get_finished()
+    assert done.saves_done == set(submitted)  # every job ran or was refused, none lost
+    refused = rig.engine.counters["refused_after_shutdown"]
+    assert len(done.saves_failed) == refused
+    spy.close()
+    time.sleep(0.02)
+    assert spy.violations == []
+
+
+def test_job_that_raises_inside_the_worker(rig_factory):
+    rig, spy = spy_rig(rig_factory, "fa+mamba")
+    tokens, hashes, tables, handoffs = rig.source_request(100)
+
+    def raising(keys, buffers):
+        raise RuntimeError("put exploded")
+
+    spy.put_hook = raising
+    done = rig.run(saves=[SaveRequest("r", hashes, tables, 100, handoffs)])  # nothing escapes
+    assert done.saves_done == {"r"} and done.saves_failed == {"r"}
+    assert rig.engine.counters["save_job_errors"] == 1 and rig.engine.saved_offset("r") == 0
+    spy.put_hook = None
+    assert not rig.run(saves=[SaveRequest("r", hashes, tables, 100, handoffs)]).saves_failed
+    # A get that raises: every destination block of the load is reported failed, none written.
+    spy.get_hook = lambda keys, buffers: (_ for _ in ()).throw(RuntimeError("get exploded"))
+    dst = rig.destination(100)
+    done = rig.run(loads=[LoadRequest("q", hashes, dst, 96)])
+    assert done.loads_failed == {"q": {(g, b) for g, table in enumerate(dst) for b in table}}
+    assert rig.engine.counters["load_job_errors"] == 1
+    for g, table in enumerate(dst):
+        for b in table:
+            assert rig.block(g, b) == bytes([SENTINEL]) * len(rig.block(g, b))
+    # The worker survived both.
+    spy.get_hook = None
+    assert not rig.run(loads=[LoadRequest("q", hashes, dst, 96)]).loads_failed
+
+
+def test_finished_request_is_not_resurrected_by_a_queued_save(rig_factory):
+    rig, spy = spy_rig(rig_factory, "fa")
+    spy.delay = 0.05
+    tokens, hashes, tables, _ = rig.source_request(64)
+    rig.engine.submit(saves=[SaveRequest("r", hashes, tables, 64)])
+    rig.engine.finish_request("r")
+    assert rig.engine.wait_idle(10)
+    assert rig.engine.saved_offset("r") == 0 and "r" not in rig.engine._requests

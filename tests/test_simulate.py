@@ -1,0 +1,131 @@
+"""``kvstride simulate`` and ``kvstride explain`` through the CLI's entry point, on small
+workloads: every preset on the embedded store with and without faults, two presets on a real
+Mooncake master, the plot, a run whose loaded bytes are wrong (the check must fail), and
+explain for the ring mix and for a mix that cannot be keyed."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from kvstride import cli
+from kvstride.mixes import PRESETS
+from kvstride.transfer import Transfer
+
+# 4 conversations in batches of 2 over 4 turns: 8 request batches, so --fault-every 2
+# injects a fault before batches 2, 4 and 6: corrupt, restart, evict.
+SMALL = ["--conversations", "4", "--batch", "2", "--turns", "4", "--user-tokens", "100", "--reply-tokens", "60",
+         "--chunk-tokens", "256", "--token-bytes", "16", "--state-bytes", "1024", "--store-mb", "64", "--quiet"]
+
+
+def system_tokens(preset: str) -> str:
+    # glm-ring's scheduler block is 1152 tokens: its system prompt must span two of them.
+    return "2400" if preset == "glm-ring" else "600"
+
+
+def simulate(capsys, preset, *extra):
+    rc = cli.main(["simulate", "--preset", preset, "--system-tokens", system_tokens(preset), *SMALL, "--json", *extra])
+    out = capsys.readouterr().out
+    result = json.loads(out.strip().splitlines()[-1])
+    return rc, result
+
+
+def check(rc, result, faults: bool):
+    assert rc == 0, result
+    assert result["verified"] is True and result["wrong_bytes"] == 0
+    assert result["verified_bytes"] > 0 and result["hit_rate"] > 0
+    history = result["history"]
+    assert len(history) == 8
+    # Turn 0: the second batch hits the first batch's system prompt, Mamba mixes included
+    # (chunked prefill hands the Mamba state off at chunk ends).
+    assert history[1]["hit_tokens"] > 0
+    if faults:
+        f = result["faults"]
+        assert f["fault_corrupt"] == f["fault_restart"] == f["fault_evict"] == 1
+        assert f["corrupted_values"] > 0 and f["evicted_values"] > 0
+        assert result["outcomes"].get("get_corrupt", 0) > 0  # corrupted values were read and caught
+        assert history[4]["hit_tokens"] == 0  # the batch right after the restart finds nothing
+    else:
+        assert not result["faults"]
+        assert all(r["hit_tokens"] > 0 for r in history[1:])
+
+
+@pytest.mark.parametrize("faults", [False, True], ids=["clean", "faults"])
+@pytest.mark.parametrize("preset", sorted(PRESETS))
+def test_simulate_embedded(capsys, preset, faults):
+    rc, result = simulate(capsys, preset, *(["--fault-every", "2"] if faults else []))
+    assert result["store"] == "embedded" and result["mix"] == preset
+    check(rc, result, faults)
+
+
+@pytest.mark.parametrize("faults", [False, True], ids=["clean", "faults"])
+@pytest.mark.parametrize("preset", ["glm-ring", "qwen3-next"])
+def test_simulate_mooncake(capsys, preset, faults):
+    rc, result = simulate(capsys, preset, "--store", "mooncake", *(["--fault-every", "2"] if faults else []))
+    assert result["store"] == "mooncake"
+    check(rc, result, faults)
+
+
+def test_chunk_tokens_rounding(capsys):
+    # qwen3-next: S = 256, alignment 64 -> 300 rounds up to 320; glm-ring: at least S = 1152.
+    _, result = simulate(capsys, "qwen3-next", "--chunk-tokens", "300")
+    assert result["chunk_tokens"] == 320
+    _, result = simulate(capsys, "glm-ring", "--chunk-tokens", "100")
+    assert result["chunk_tokens"] == 1152
+
+
+def test_plot_and_table(capsys, tmp_path):
+    path = tmp_path / "sim.png"
+    rc = cli.main(["simulate", "--preset", "llama", "--system-tokens", "600", *SMALL, "--plot", str(path)])
+    out = capsys.readouterr().out
+    assert rc == 0
+    assert "hit rate" in out and "verified" in out and "True" in out
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and path.stat().st_size > 1000
+
+
+@pytest.mark.parametrize("preset", ["llama", "qwen3-next"])
+def test_wrong_loaded_byte_fails_the_run(capsys, monkeypatch, preset):
+    """Prove the check can fail: flip one byte of every block a load writes."""
+    original = Transfer.scatter
+
+    def scatter_then_flip(self, batch, ok=None):
+        fence = original(self, batch, ok)
+        fence.wait()
+        for run in batch.runs:
+            piece = self.layout.groups[run.group].pieces[0]
+            storage = self.layout.storages[piece.storage]
+            for k, row in enumerate(run.rows):
+                if ok is None or ok[row]:
+                    at = piece.offset + int(run.ids[k]) * piece.stride
+                    storage[at] ^= 0xFF
+        return fence
+
+    monkeypatch.setattr(Transfer, "scatter", scatter_then_flip)
+    rc, result = simulate(capsys, preset)
+    assert rc == 1
+    assert result["verified"] is False and result["wrong_bytes"] > 0
+
+
+def test_simulate_refuses_a_mix_that_cannot_be_keyed(capsys):
+    assert cli.main(["simulate", "--groups", "full_attention:16,mamba:24:mode=none", "--quiet"]) == 2
+    assert "cannot be keyed" in capsys.readouterr().err
+
+
+def test_explain_glm_ring(capsys):
+    assert cli.main(["explain", "--preset", "glm-ring"]) == 0
+    out = capsys.readouterr().out
+    assert "S = 1152" in out and "H = 64" in out
+    ring = next(line for line in out.splitlines() if "circular_buffer" in line and "takes part" not in line and line.strip().startswith("1"))
+    assert "no " in ring and "skipped everywhere" in ring
+    assert "not divisible by tokens_per_hash=64" in out and "islice(step=0)" in out
+    assert "never keys, stores, looks up or loads it" in out
+
+
+def test_explain_failing_mix(capsys):
+    assert cli.main(["explain", "--groups", "full_attention:16,mamba:24:mode=none"]) == 2
+    out = capsys.readouterr().out
+    assert "this mix cannot be keyed" in out and "H=48" in out
+    assert "nearest mixes that work" in out
+    assert "set mamba mode align on group 1: S=48 H=8" in out
+    assert 'kvstride explain --groups "full_attention:16,mamba:24"' in out
