@@ -135,7 +135,9 @@ impl GroupSpec {
             _ => {}
         }
         if num_kv_heads == Some(0) {
-            return Err(Error::new("num_kv_heads=0: use a positive head count or None"));
+            return Err(Error::new(
+                "num_kv_heads=0: use a positive head count or None",
+            ));
         }
         Ok(GroupSpec {
             kind,
@@ -148,7 +150,15 @@ impl GroupSpec {
     }
 
     pub fn full_attention(block_size: u64) -> Self {
-        Self::new(GroupKind::FullAttention, block_size, None, MambaMode::Align, None, None).unwrap()
+        Self::new(
+            GroupKind::FullAttention,
+            block_size,
+            None,
+            MambaMode::Align,
+            None,
+            None,
+        )
+        .unwrap()
     }
 
     pub fn mamba(block_size: u64, mode: MambaMode) -> Self {
@@ -169,7 +179,11 @@ impl GroupSpec {
     }
 
     pub fn describe(&self, index: usize, dcp: u64) -> String {
-        format!("group {index} ({}, {} tokens)", self.kind.name(), self.effective_size(dcp))
+        format!(
+            "group {index} ({}, {} tokens)",
+            self.kind.name(),
+            self.effective_size(dcp)
+        )
     }
 }
 
@@ -188,12 +202,17 @@ pub fn lcm(a: u64, b: u64) -> Option<u64> {
 /// The groups that take part in keying: the prefix-cacheable ones, or all when none is.
 pub fn participating(groups: &[GroupSpec]) -> Vec<bool> {
     let any_cacheable = groups.iter().any(|g| g.prefix_cacheable);
-    groups.iter().map(|g| g.prefix_cacheable || !any_cacheable).collect()
+    groups
+        .iter()
+        .map(|g| g.prefix_cacheable || !any_cacheable)
+        .collect()
 }
 
 fn check_dcp(dcp: u64) -> Result<()> {
     if dcp == 0 {
-        return Err(Error::new("dcp=0: the decode context parallel size is at least 1"));
+        return Err(Error::new(
+            "dcp=0: the decode context parallel size is at least 1",
+        ));
     }
     Ok(())
 }
@@ -206,10 +225,14 @@ pub fn resolve_block_sizes(
 ) -> Result<(u64, u64)> {
     check_dcp(dcp)?;
     if groups.is_empty() {
-        return Err(Error::new("no KV-cache groups: pass at least one GroupSpec"));
+        return Err(Error::new(
+            "no KV-cache groups: pass at least one GroupSpec",
+        ));
     }
     if prefix_match_unit == Some(0) {
-        return Err(Error::new("prefix_match_unit=0: use a positive number of tokens or None"));
+        return Err(Error::new(
+            "prefix_match_unit=0: use a positive number of tokens or None",
+        ));
     }
     if groups.len() == 1 {
         // SEMANTICS §2 rule 1 says block_size * dcp; for a lone mamba group we keep its
@@ -229,7 +252,9 @@ pub fn resolve_block_sizes(
     let mut s = 1u64;
     for &e in &effective {
         s = lcm(s, e).ok_or_else(|| {
-            Error::new(format!("the lcm of block sizes {effective:?} overflows 64 bits"))
+            Error::new(format!(
+                "the lcm of block sizes {effective:?} overflows 64 bits"
+            ))
         })?;
     }
     let non_align: Vec<usize> = groups
@@ -256,31 +281,35 @@ pub fn resolve_block_sizes(
     if offending.is_empty() {
         return Ok((s, h));
     }
-    let names: Vec<String> = offending.iter().map(|&i| groups[i].describe(i, dcp)).collect();
+    let names: Vec<String> = offending
+        .iter()
+        .map(|&i| groups[i].describe(i, dcp))
+        .collect();
     let participating_gcd = effective
         .iter()
         .zip(&takes_part)
         .filter(|(_, &p)| p)
         .fold(0, |acc, (&e, _)| gcd(acc, e));
-    let advice = if !non_align.is_empty() {
-        let modes: Vec<String> = non_align
-            .iter()
-            .map(|&i| format!("group {i} (mamba, mode {})", groups[i].mamba_mode.name()))
-            .collect();
-        format!(
+    let advice =
+        if !non_align.is_empty() {
+            let modes: Vec<String> = non_align
+                .iter()
+                .map(|&i| format!("group {i} (mamba, mode {})", groups[i].mamba_mode.name()))
+                .collect();
+            format!(
             "H is the lcm S={s} because {} is not in align mode; set mamba_mode=\"align\" on it \
              (then H can be the gcd {participating_gcd}), or make every prefix-cacheable block \
              size {s}, or mark {} prefix_cacheable=False",
             modes.join(", "),
             if offending.len() == 1 { "that group" } else { "those groups" }
         )
-    } else {
-        format!(
+        } else {
+            format!(
             "use a prefix_match_unit that divides every prefix-cacheable block size (their gcd \
              is {participating_gcd}; any divisor of it works), or mark {} prefix_cacheable=False",
             if offending.len() == 1 { "that group" } else { "those groups" }
         )
-    };
+        };
     Err(Error::new(format!(
         "{} {} not a multiple of the hash block size H={h}: {advice}",
         names.join(", "),
@@ -292,10 +321,14 @@ pub fn resolve_block_sizes(
 pub fn hashes_per_block(groups: &[GroupSpec], hash_block_size: u64, dcp: u64) -> Result<Vec<u64>> {
     check_dcp(dcp)?;
     if groups.is_empty() {
-        return Err(Error::new("no KV-cache groups: pass at least one GroupSpec"));
+        return Err(Error::new(
+            "no KV-cache groups: pass at least one GroupSpec",
+        ));
     }
     if hash_block_size == 0 {
-        return Err(Error::new("hash_block_size=0: use a positive number of tokens"));
+        return Err(Error::new(
+            "hash_block_size=0: use a positive number of tokens",
+        ));
     }
     let takes_part = participating(groups);
     let mut offending = Vec::new();
@@ -335,29 +368,48 @@ mod tests {
     #[test]
     fn semantics_examples() {
         let fa = GroupSpec::full_attention;
-        assert_eq!(resolve_block_sizes(&[fa(1152), ring(4)], None, 1), Ok((1152, 1152)));
+        assert_eq!(
+            resolve_block_sizes(&[fa(1152), ring(4)], None, 1),
+            Ok((1152, 1152))
+        );
         assert_eq!(
             resolve_block_sizes(&[fa(16), GroupSpec::mamba(48, MambaMode::Align)], None, 1),
             Ok((48, 16))
         );
         let err = resolve_block_sizes(&[fa(16), GroupSpec::mamba(24, MambaMode::None)], None, 1)
             .unwrap_err();
-        assert!(err.0.contains("group 0 (full_attention, 16 tokens)"), "{err}");
+        assert!(
+            err.0.contains("group 0 (full_attention, 16 tokens)"),
+            "{err}"
+        );
         assert!(err.0.contains("H=48"), "{err}");
         let mla = |b| GroupSpec::of_kind(GroupKind::Mla, b, None).unwrap();
         let dsv4 = [mla(256), mla(64), mla(64), mla(4), mla(8)];
         assert_eq!(resolve_block_sizes(&dsv4, None, 1), Ok((256, 4)));
-        assert_eq!(resolve_block_sizes(&[ring(4), ring(8)], None, 1), Ok((8, 4)));
         assert_eq!(
-            resolve_block_sizes(&[fa(1536), GroupSpec::mamba(1536, MambaMode::Align)], Some(128), 1),
+            resolve_block_sizes(&[ring(4), ring(8)], None, 1),
+            Ok((8, 4))
+        );
+        assert_eq!(
+            resolve_block_sizes(
+                &[fa(1536), GroupSpec::mamba(1536, MambaMode::Align)],
+                Some(128),
+                1
+            ),
             Ok((1536, 128))
         );
-        assert_eq!(hashes_per_block(&[fa(1152), ring(4)], 1152, 1), Ok(vec![1, 0]));
+        assert_eq!(
+            hashes_per_block(&[fa(1152), ring(4)], 1152, 1),
+            Ok(vec![1, 0])
+        );
     }
 
     #[test]
     fn dcp_scales_attention_only() {
-        let groups = [GroupSpec::full_attention(16), GroupSpec::mamba(16, MambaMode::Align)];
+        let groups = [
+            GroupSpec::full_attention(16),
+            GroupSpec::mamba(16, MambaMode::Align),
+        ];
         assert_eq!(resolve_block_sizes(&groups, None, 2), Ok((32, 16)));
         assert_eq!(resolve_block_sizes(&groups[..1], None, 2), Ok((32, 32)));
     }

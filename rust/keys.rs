@@ -39,11 +39,17 @@ pub fn push_hex(out: &mut String, bytes: &[u8]) {
 
 /// The hash indices `islice(h, start·k + k − 1, None, k)` picks: chunk `j ≥ start_chunk`
 /// is keyed by its last hash. `k = 0` (a skipped group) picks nothing.
-pub fn stride_indices(num_hashes: usize, hashes_per_chunk: usize, start_chunk: usize) -> Vec<usize> {
+pub fn stride_indices(
+    num_hashes: usize,
+    hashes_per_chunk: usize,
+    start_chunk: usize,
+) -> Vec<usize> {
     if hashes_per_chunk == 0 {
         return Vec::new();
     }
-    let first = start_chunk.saturating_mul(hashes_per_chunk).saturating_add(hashes_per_chunk - 1);
+    let first = start_chunk
+        .saturating_mul(hashes_per_chunk)
+        .saturating_add(hashes_per_chunk - 1);
     (first..num_hashes).step_by(hashes_per_chunk).collect()
 }
 
@@ -82,7 +88,9 @@ impl Namespace {
 
     pub fn validate(&self) -> Result<()> {
         if self.model.is_empty() {
-            return Err(Error::new("namespace model is empty: pass the served model name"));
+            return Err(Error::new(
+                "namespace model is empty: pass the served model name",
+            ));
         }
         for (what, text) in [
             ("model", Some(&self.model)),

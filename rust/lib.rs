@@ -7,6 +7,7 @@ pub mod error;
 pub mod groups;
 pub mod hashing;
 pub mod keys;
+pub mod payload;
 pub mod planner;
 
 #[cfg(test)]
@@ -19,4 +20,6 @@ pub use error::{Error, Result};
 pub use groups::{resolve_block_sizes, GroupKind, GroupSpec, MambaMode};
 pub use hashing::{BlockHash, BlockHasher, HashAlgo};
 pub use keys::{stride_keys, Namespace};
-pub use planner::{KeyPlanner, LoadPlan, NamespaceSpec, PlannerConfig, SavePlan, TailOutcome, TailPlan, Transfer};
+pub use planner::{
+    KeyPlanner, LoadPlan, NamespaceSpec, PlannerConfig, SavePlan, TailOutcome, TailPlan, Transfer,
+};

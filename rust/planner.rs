@@ -123,7 +123,9 @@ impl KeyPlanner {
             tp_rank,
         } = config;
         if groups.is_empty() {
-            return Err(Error::new("no KV-cache groups: pass at least one GroupSpec"));
+            return Err(Error::new(
+                "no KV-cache groups: pass at least one GroupSpec",
+            ));
         }
         if h == 0 || s == 0 {
             return Err(Error::new(format!(
@@ -157,8 +159,10 @@ impl KeyPlanner {
                 not_dividing.join(", ")
             )));
         }
-        let replication: Vec<u64> =
-            groups.iter().map(|g| replication(g, tp_size, dcp)).collect();
+        let replication: Vec<u64> = groups
+            .iter()
+            .map(|g| replication(g, tp_size, dcp))
+            .collect();
         let (own_prefix, lookup_prefixes) = match &namespace {
             NamespaceSpec::Fixed(text) => {
                 if tp_size != 1 {
@@ -167,8 +171,9 @@ impl KeyPlanner {
                          (tp_size={tp_size}); pass a Namespace instead"
                     )));
                 }
-                let own: Vec<String> =
-                    (0..groups.len()).map(|g| format!("{text}@group:{g}@")).collect();
+                let own: Vec<String> = (0..groups.len())
+                    .map(|g| format!("{text}@group:{g}@"))
+                    .collect();
                 let all = own.iter().map(|p| vec![p.clone()]).collect();
                 (own, all)
             }
@@ -196,9 +201,9 @@ impl KeyPlanner {
             }
         };
         let partial_hits = partial_hits.unwrap_or_else(|| {
-            groups
-                .iter()
-                .any(|g| g.kind == GroupKind::Mamba && g.mamba_mode == MambaMode::Align && g.block_size > h)
+            groups.iter().any(|g| {
+                g.kind == GroupKind::Mamba && g.mamba_mode == MambaMode::Align && g.block_size > h
+            })
         });
         Ok(KeyPlanner {
             groups,
@@ -364,7 +369,10 @@ impl KeyPlanner {
                 }
             }
         }
-        Ok(SavePlan { end, puts: self.finish_puts(hashes, entries, exists) })
+        Ok(SavePlan {
+            end,
+            puts: self.finish_puts(hashes, entries, exists),
+        })
     }
 
     /// §5: the puts that make a partial-tail boundary servable from the store.
@@ -376,7 +384,13 @@ impl KeyPlanner {
         saved_offset: u64,
         exists: &dyn Fn(&str) -> bool,
     ) -> Result<TailPlan> {
-        let plan = |outcome, boundary| Ok(TailPlan { outcome, boundary, puts: Vec::new() });
+        let plan = |outcome, boundary| {
+            Ok(TailPlan {
+                outcome,
+                boundary,
+                puts: Vec::new(),
+            })
+        };
         if hashes.is_empty() || handoffs.is_empty() {
             return plan(TailOutcome::None, None);
         }
@@ -398,7 +412,10 @@ impl KeyPlanner {
             let last = cdiv(boundary, b_g) - 1;
             let kind = self.groups[g].kind;
             if kind == GroupKind::Mamba {
-                let handoff = handoffs.iter().rev().find(|h| h.0 == g && h.1 != NULL_BLOCK);
+                let handoff = handoffs
+                    .iter()
+                    .rev()
+                    .find(|h| h.0 == g && h.1 != NULL_BLOCK);
                 if let Some(&(_, block_id, _)) = handoff {
                     if self.this_rank_puts(g, last) {
                         entries.push((g, (boundary / self.h - 1) as usize, block_id));
@@ -426,8 +443,16 @@ impl KeyPlanner {
             return plan(TailOutcome::None, Some(boundary));
         }
         let puts = self.finish_puts(hashes, entries, exists);
-        let outcome = if puts.is_empty() { TailOutcome::AllPresent } else { TailOutcome::Planned };
-        Ok(TailPlan { outcome, boundary: Some(boundary), puts })
+        let outcome = if puts.is_empty() {
+            TailOutcome::AllPresent
+        } else {
+            TailOutcome::Planned
+        };
+        Ok(TailPlan {
+            outcome,
+            boundary: Some(boundary),
+            puts,
+        })
     }
 
     /// The largest length the lookup may test for a request of `num_tokens` tokens.
@@ -439,13 +464,28 @@ impl KeyPlanner {
     /// Every `(group, hash index)` the hit test can consult for lengths up to the limit,
     /// ordered by group, then hash index, without duplicate keys: a hash repeated at a later
     /// index of the same group keys the same value and is left out.
-    pub fn lookup_candidates<H: AsRef<[u8]>>(&self, hashes: &[H], num_tokens: u64) -> Vec<Candidate> {
+    pub fn lookup_candidates<H: AsRef<[u8]>>(
+        &self,
+        hashes: &[H],
+        num_tokens: u64,
+    ) -> Vec<Candidate> {
+        self.unique_candidates(hashes, num_tokens, has_repeats(hashes))
+    }
+
+    fn unique_candidates<H: AsRef<[u8]>>(
+        &self,
+        hashes: &[H],
+        num_tokens: u64,
+        repeats: bool,
+    ) -> Vec<Candidate> {
         let all = self.candidate_positions(hashes.len(), num_tokens);
-        if !has_repeats(hashes) {
+        if !repeats {
             return all;
         }
         let mut seen = HashSet::new();
-        all.into_iter().filter(|c| seen.insert((c.group, hashes[c.hash_index].as_ref()))).collect()
+        all.into_iter()
+            .filter(|c| seen.insert((c.group, hashes[c.hash_index].as_ref())))
+            .collect()
     }
 
     /// The `(group, hash index)` pairs the hit test consults, repeated hashes included.
@@ -484,7 +524,10 @@ impl KeyPlanner {
                     .iter()
                     .enumerate()
                     .filter(|(_, &w)| w)
-                    .map(|(hash_index, _)| Candidate { group: g, hash_index }),
+                    .map(|(hash_index, _)| Candidate {
+                        group: g,
+                        hash_index,
+                    }),
             );
         }
         out
@@ -492,8 +535,9 @@ impl KeyPlanner {
 
     /// The key strings of `lookup_candidates`, each in every TP namespace some rank loads.
     pub fn lookup_keys<H: AsRef<[u8]>>(&self, hashes: &[H], num_tokens: u64) -> Vec<String> {
-        let mut keys = Vec::new();
-        self.for_each_lookup_key(hashes, num_tokens, |key| keys.push(key.to_owned()));
+        let candidates = self.lookup_candidates(hashes, num_tokens);
+        let mut keys = Vec::with_capacity(self.lookup_key_count(&candidates));
+        self.for_each_candidate_key(hashes, &candidates, |key| keys.push(key.to_owned()));
         keys
     }
 
@@ -502,14 +546,49 @@ impl KeyPlanner {
         &self,
         hashes: &[H],
         num_tokens: u64,
+        f: impl FnMut(&str),
+    ) {
+        let candidates = self.lookup_candidates(hashes, num_tokens);
+        self.for_each_candidate_key(hashes, &candidates, f)
+    }
+
+    /// How many keys `candidates` expand to.
+    pub fn lookup_key_count(&self, candidates: &[Candidate]) -> usize {
+        candidates
+            .iter()
+            .map(|c| self.lookup_prefixes[c.group].len())
+            .sum()
+    }
+
+    /// The keys of `candidates` (from `lookup_candidates` on the same hashes), in order. Each
+    /// hash is hexed once however many groups and namespaces use it (the groups of a hybrid
+    /// share most hash indices).
+    pub fn for_each_candidate_key<H: AsRef<[u8]>>(
+        &self,
+        hashes: &[H],
+        candidates: &[Candidate],
         mut f: impl FnMut(&str),
     ) {
+        // hex_at[i]: where hash i's hex digits start in `hexed` (u32::MAX: not hexed yet).
+        let mut hex_at = vec![u32::MAX; hashes.len()];
+        let mut hexed = String::new();
         let mut key = String::with_capacity(256);
-        for c in self.lookup_candidates(hashes, num_tokens) {
+        for c in candidates {
+            let hash = hashes[c.hash_index].as_ref();
+            let at = match hex_at[c.hash_index] {
+                u32::MAX => {
+                    let at = hexed.len();
+                    push_hex(&mut hexed, hash);
+                    hex_at[c.hash_index] = at as u32;
+                    at
+                }
+                at => at as usize,
+            };
+            let digits = &hexed[at..at + 2 * hash.len()];
             for prefix in &self.lookup_prefixes[c.group] {
                 key.clear();
                 key.push_str(prefix);
-                push_hex(&mut key, hashes[c.hash_index].as_ref());
+                key.push_str(digits);
                 f(&key);
             }
         }
@@ -528,9 +607,12 @@ impl KeyPlanner {
         bitmap: &[bool],
     ) -> Result<u64> {
         let num_hashes = hashes.len();
-        let candidates = self.lookup_candidates(hashes, num_tokens);
-        let expected: usize =
-            candidates.iter().map(|c| self.namespaces_per_group(c.group)).sum();
+        let repeats = has_repeats(hashes);
+        let candidates = self.unique_candidates(hashes, num_tokens, repeats);
+        let expected: usize = candidates
+            .iter()
+            .map(|c| self.namespaces_per_group(c.group))
+            .sum();
         if bitmap.len() != expected {
             return Err(Error::new(format!(
                 "the existence bitmap has {} entries but lookup_keys gives {expected} keys for \
@@ -549,11 +631,16 @@ impl KeyPlanner {
             }
             row[c.hash_index] = all;
         }
-        if has_repeats(hashes) {
+        if repeats {
             // A repeated hash keys the same value as the candidate that was kept for it.
             let kept: std::collections::HashMap<(usize, &[u8]), bool> = candidates
                 .iter()
-                .map(|c| ((c.group, hashes[c.hash_index].as_ref()), present[c.group][c.hash_index]))
+                .map(|c| {
+                    (
+                        (c.group, hashes[c.hash_index].as_ref()),
+                        present[c.group][c.hash_index],
+                    )
+                })
                 .collect();
             for c in self.candidate_positions(num_hashes, num_tokens) {
                 let value = kept[&(c.group, hashes[c.hash_index].as_ref())];
@@ -682,13 +769,20 @@ impl KeyPlanner {
                 }
             }
         }
-        Ok(LoadPlan { hit, start, gets, missing })
+        Ok(LoadPlan {
+            hit,
+            start,
+            gets,
+            missing,
+        })
     }
 }
 
 /// Whether some hash value occurs twice (never for real chained hashes; tests make it so).
+/// FxHash: block hashes are already uniform, so SipHash's cost buys nothing here.
 fn has_repeats<H: AsRef<[u8]>>(hashes: &[H]) -> bool {
-    let mut seen = HashSet::with_capacity(hashes.len());
+    let mut seen =
+        rustc_hash::FxHashSet::with_capacity_and_hasher(hashes.len(), Default::default());
     !hashes.iter().all(|h| seen.insert(h.as_ref()))
 }
 

@@ -48,7 +48,10 @@ fn assert_unique(puts: &[Transfer]) {
 // ---- §5 -----------------------------------------------------------------------------------
 
 fn fa4_mamba16() -> KeyPlanner {
-    let groups = vec![GroupSpec::full_attention(4), GroupSpec::mamba(16, MambaMode::Align)];
+    let groups = vec![
+        GroupSpec::full_attention(4),
+        GroupSpec::mamba(16, MambaMode::Align),
+    ];
     assert_eq!(resolve_block_sizes(&groups, None, 1), Ok((16, 4)));
     planner(groups, 4, 16)
 }
@@ -62,8 +65,11 @@ fn tail_example_from_offset_zero() {
     let plan = p.plan_tail(&h, &tables, &[(1, 7, 12)], 0, &never).unwrap();
     assert_eq!(plan.outcome, TailOutcome::Planned);
     assert_eq!(plan.boundary, Some(12));
-    let got: Vec<(String, usize, u64)> =
-        plan.puts.iter().map(|t| (t.key.clone(), t.group, t.block_id)).collect();
+    let got: Vec<(String, usize, u64)> = plan
+        .puts
+        .iter()
+        .map(|t| (t.key.clone(), t.group, t.block_id))
+        .collect();
     assert_eq!(
         got,
         vec![
@@ -83,7 +89,11 @@ fn tail_example_from_saved_offset() {
     let tables = vec![(1..=8).collect(), vec![40, 41]];
     let plan = p.plan_tail(&h, &tables, &[(1, 9, 28)], 16, &never).unwrap();
     assert_eq!(plan.outcome, TailOutcome::Planned);
-    let got: Vec<(String, u64)> = plan.puts.iter().map(|t| (t.key.clone(), t.block_id)).collect();
+    let got: Vec<(String, u64)> = plan
+        .puts
+        .iter()
+        .map(|t| (t.key.clone(), t.block_id))
+        .collect();
     assert_eq!(
         got,
         vec![
@@ -95,7 +105,9 @@ fn tail_example_from_saved_offset() {
     );
     // Once the store holds them, the same plan has nothing left to put.
     let held = set_of(&plan.puts);
-    let again = p.plan_tail(&h, &tables, &[(1, 9, 28)], 16, &|k| held.contains(k)).unwrap();
+    let again = p
+        .plan_tail(&h, &tables, &[(1, 9, 28)], 16, &|k| held.contains(k))
+        .unwrap();
     assert_eq!(again.outcome, TailOutcome::AllPresent);
     assert!(again.puts.is_empty());
 }
@@ -111,15 +123,26 @@ fn tail_outcomes() {
     assert_eq!(outcome(&h, &[]).outcome, TailOutcome::None);
     assert_eq!(outcome(&[], &[(1, 7, 12)]).outcome, TailOutcome::None);
     // Not a multiple of the alignment H=4, or zero.
-    assert_eq!(outcome(&h, &[(1, 7, 10)]).outcome, TailOutcome::InvalidBoundary);
-    assert_eq!(outcome(&h, &[(1, 7, 0)]).outcome, TailOutcome::InvalidBoundary);
+    assert_eq!(
+        outcome(&h, &[(1, 7, 10)]).outcome,
+        TailOutcome::InvalidBoundary
+    );
+    assert_eq!(
+        outcome(&h, &[(1, 7, 0)]).outcome,
+        TailOutcome::InvalidBoundary
+    );
     let divergent = outcome(&h, &[(1, 7, 12), (0, 2, 8)]);
     assert_eq!(divergent.outcome, TailOutcome::DivergentBoundaries);
     assert!(divergent.puts.is_empty());
     let pending = outcome(&h, &[(1, 7, 16)]);
-    assert_eq!((pending.outcome, pending.boundary), (TailOutcome::HashPending, Some(16)));
+    assert_eq!(
+        (pending.outcome, pending.boundary),
+        (TailOutcome::HashPending, Some(16))
+    );
     // A NULL hand-off and NULL attention blocks: no source at all.
-    let empty = p.plan_tail(&h, &[vec![0, 0, 0], vec![4]], &[(1, 0, 12)], 0, &never).unwrap();
+    let empty = p
+        .plan_tail(&h, &[vec![0, 0, 0], vec![4]], &[(1, 0, 12)], 0, &never)
+        .unwrap();
     assert_eq!(empty.outcome, TailOutcome::None);
     // The last hand-off of a group wins.
     let last = outcome(&h, &[(1, 7, 12), (1, 8, 12)]);
@@ -130,12 +153,22 @@ fn tail_outcomes() {
 #[test]
 fn tail_skips_non_participating_groups() {
     let ring = GroupSpec::of_kind(GroupKind::CircularBuffer, 4, None).unwrap();
-    let groups = vec![GroupSpec::full_attention(8), GroupSpec::mamba(16, MambaMode::Align), ring];
+    let groups = vec![
+        GroupSpec::full_attention(8),
+        GroupSpec::mamba(16, MambaMode::Align),
+        ring,
+    ];
     let p = planner(groups, 8, 16);
     assert_eq!(p.hashes_per_block(), &[1, 2, 0]);
     let h = fake_hashes(2);
     let plan = p
-        .plan_tail(&h, &[vec![1, 2], vec![3], vec![5, 6, 7, 8]], &[(1, 9, 16), (2, 4, 16)], 0, &never)
+        .plan_tail(
+            &h,
+            &[vec![1, 2], vec![3], vec![5, 6, 7, 8]],
+            &[(1, 9, 16), (2, 4, 16)],
+            0,
+            &never,
+        )
         .unwrap();
     assert!(plan.puts.iter().all(|t| t.group != 2), "{plan:?}");
     assert_eq!(plan.puts.len(), 3);
@@ -145,7 +178,10 @@ fn tail_skips_non_participating_groups() {
 
 #[test]
 fn lookup_example_fa16_mamba16_h4() {
-    let groups = vec![GroupSpec::full_attention(16), GroupSpec::mamba(16, MambaMode::Align)];
+    let groups = vec![
+        GroupSpec::full_attention(16),
+        GroupSpec::mamba(16, MambaMode::Align),
+    ];
     assert_eq!(resolve_block_sizes(&groups, Some(4), 1), Ok((16, 4)));
     let p = planner(groups, 4, 16);
     let h = fake_hashes(4);
@@ -157,7 +193,10 @@ fn lookup_example_fa16_mamba16_h4() {
 
 #[test]
 fn lookup_example_fa32_mamba32_h16() {
-    let groups = vec![GroupSpec::full_attention(32), GroupSpec::mamba(32, MambaMode::Align)];
+    let groups = vec![
+        GroupSpec::full_attention(32),
+        GroupSpec::mamba(32, MambaMode::Align),
+    ];
     let p = planner(groups, 16, 32);
     assert!(p.partial_hits());
     let h = fake_hashes(4);
@@ -197,7 +236,10 @@ fn lookup_keys_cover_every_tp_namespace() {
     let h = fake_hashes(2);
     let keys = p.lookup_keys(&h, 32);
     assert_eq!(keys.len(), 4);
-    assert!(keys.iter().all(|k| k.starts_with("m@tp_rank:0@")), "{keys:?}");
+    assert!(
+        keys.iter().all(|k| k.starts_with("m@tp_rank:0@")),
+        "{keys:?}"
+    );
 }
 
 // ---- random mixes ---------------------------------------------------------------------------
@@ -248,7 +290,15 @@ fn build_mix(h: u64, raw: &[RawGroup], with_mamba: Option<bool>) -> Mix {
 }
 
 fn raw_groups() -> impl Strategy<Value = Vec<RawGroup>> {
-    prop::collection::vec((0u8..6, 1u64..=4, 1u64..=48, prop::sample::select(vec![1u64, 2, 3, 4, 8])), 1..=4)
+    prop::collection::vec(
+        (
+            0u8..6,
+            1u64..=4,
+            1u64..=48,
+            prop::sample::select(vec![1u64, 2, 3, 4, 8]),
+        ),
+        1..=4,
+    )
 }
 
 fn hash_unit() -> impl Strategy<Value = u64> {
@@ -269,7 +319,13 @@ fn full_tables(p: &KeyPlanner, num_hashes: usize) -> Vec<Vec<u64>> {
 }
 
 /// SEMANTICS §6 read directly: can group `g` serve `x` tokens from the keys in `store`?
-fn group_serves(p: &KeyPlanner, hashes: &[Vec<u8>], store: &HashSet<String>, g: usize, x: u64) -> bool {
+fn group_serves(
+    p: &KeyPlanner,
+    hashes: &[Vec<u8>],
+    store: &HashSet<String>,
+    g: usize,
+    x: u64,
+) -> bool {
     let h = p.hash_block_size();
     if x == 0 {
         return true;
@@ -309,7 +365,13 @@ fn all_serve(p: &KeyPlanner, hashes: &[Vec<u8>], store: &HashSet<String>, x: u64
 
 fn reference_hit(p: &KeyPlanner, hashes: &[Vec<u8>], store: &HashSet<String>, n: u64) -> u64 {
     let a = p.alignment();
-    let best = |t: u64| (0..=t / a).rev().map(|i| i * a).find(|&x| all_serve(p, hashes, store, x)).unwrap();
+    let best = |t: u64| {
+        (0..=t / a)
+            .rev()
+            .map(|i| i * a)
+            .find(|&x| all_serve(p, hashes, store, x))
+            .unwrap()
+    };
     let t = n.min(hashes.len() as u64 * p.hash_block_size()) / a * a;
     let hit = best(t);
     if hit > 0 && hit >= n {

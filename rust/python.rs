@@ -21,14 +21,15 @@ fn value_error(err: crate::Error) -> PyErr {
 
 /// A non-negative integer argument; negative values are a `ValueError` naming the argument.
 fn non_negative(name: &str, value: i64) -> PyResult<u64> {
-    u64::try_from(value)
-        .map_err(|_| PyValueError::new_err(format!("{name}={value}: must be >= 0")))
+    u64::try_from(value).map_err(|_| PyValueError::new_err(format!("{name}={value}: must be >= 0")))
 }
 
 fn positive(name: &str, value: i64) -> PyResult<u64> {
     match value {
         v if v > 0 => Ok(v as u64),
-        v => Err(PyValueError::new_err(format!("{name}={v}: must be a positive integer"))),
+        v => Err(PyValueError::new_err(format!(
+            "{name}={v}: must be a positive integer"
+        ))),
     }
 }
 
@@ -99,6 +100,9 @@ fn extract_tokens(obj: &Bound<'_, PyAny>) -> PyResult<TokenBuf> {
             "token_ids must be a list/tuple of ints or an integer numpy array, not str/bytes",
         ));
     }
+    if let Some(tokens) = exact_int_list(obj) {
+        return Ok(TokenBuf::I64(tokens));
+    }
     let seq = obj.cast::<PySequence>().map_err(|_| {
         PyTypeError::new_err(format!(
             "token_ids must be a list/tuple of ints or an integer numpy array; got {}",
@@ -115,6 +119,46 @@ fn extract_tokens(obj: &Bound<'_, PyAny>) -> PyResult<TokenBuf> {
         }
     }
     Ok(TokenBuf::I64(signed))
+}
+
+/// The fast path for the common input, an exact `list` or `tuple` of exact `int`s that fit
+/// an i64: borrowed items (`PyList_GetItem`, no reference counting, no `Bound` per item) and
+/// `PyLong_AsLongLong`. None for anything else (a subclass, a bool, a big int, ...): the
+/// caller then takes the general path, which also words the errors.
+fn exact_int_list(obj: &Bound<'_, PyAny>) -> Option<Vec<i64>> {
+    use pyo3::ffi;
+    let (is_list, len) = if let Ok(list) = obj.cast_exact::<PyList>() {
+        (true, list.len())
+    } else if let Ok(tuple) = obj.cast_exact::<PyTuple>() {
+        (false, tuple.len())
+    } else {
+        return None;
+    };
+    let ptr = obj.as_ptr();
+    let mut out = Vec::with_capacity(len);
+    for i in 0..len {
+        // SAFETY: `ptr` is an exact list/tuple of `len` items and the GIL is held. The items
+        // are borrowed: nothing below runs Python code (exact ints only, so no `__index__`),
+        // so the container cannot change under the loop.
+        unsafe {
+            let item = if is_list {
+                ffi::PyList_GetItem(ptr, i as ffi::Py_ssize_t)
+            } else {
+                ffi::PyTuple_GetItem(ptr, i as ffi::Py_ssize_t)
+            };
+            if item.is_null() || ffi::PyLong_CheckExact(item) == 0 {
+                ffi::PyErr_Clear();
+                return None;
+            }
+            let v = ffi::PyLong_AsLongLong(item);
+            if v == -1 && !ffi::PyErr_Occurred().is_null() {
+                ffi::PyErr_Clear();
+                return None;
+            }
+            out.push(v);
+        }
+    }
+    Some(out)
 }
 
 /// The slow path for lists holding ids above i64::MAX (or something that is not an int).
@@ -155,14 +199,19 @@ fn wide_tokens(
 }
 
 fn type_name(obj: &Bound<'_, PyAny>) -> String {
-    obj.get_type().name().map(|n| n.to_string()).unwrap_or_else(|_| "?".into())
+    obj.get_type()
+        .name()
+        .map(|n| n.to_string())
+        .unwrap_or_else(|_| "?".into())
 }
 
 // ---- CBOR values ------------------------------------------------------------------------
 
 fn to_value(obj: &Bound<'_, PyAny>, depth: usize) -> PyResult<Value> {
     if depth > 64 {
-        return Err(PyValueError::new_err("extra key nested deeper than 64 levels"));
+        return Err(PyValueError::new_err(
+            "extra key nested deeper than 64 levels",
+        ));
     }
     if obj.is_none() {
         return Ok(Value::Null);
@@ -190,8 +239,10 @@ fn to_value(obj: &Bound<'_, PyAny>, depth: usize) -> PyResult<Value> {
         return Ok(Value::Float(f.value()));
     }
     if obj.is_instance_of::<PyTuple>() || obj.is_instance_of::<PyList>() {
-        let items: PyResult<Vec<Value>> =
-            obj.try_iter()?.map(|item| to_value(&item?, depth + 1)).collect();
+        let items: PyResult<Vec<Value>> = obj
+            .try_iter()?
+            .map(|item| to_value(&item?, depth + 1))
+            .collect();
         return Ok(Value::Array(items?));
     }
     if let Ok(d) = obj.cast::<PyDict>() {
@@ -226,7 +277,9 @@ fn holds_map(value: &Value) -> bool {
 
 fn extract_extra_keys(obj: &Bound<'_, PyAny>) -> PyResult<Vec<ExtraKeys>> {
     let seq = obj.cast::<PySequence>().map_err(|_| {
-        PyTypeError::new_err("extra_keys must be a list with one entry (None or a tuple) per full block")
+        PyTypeError::new_err(
+            "extra_keys must be a list with one entry (None or a tuple) per full block",
+        )
     })?;
     let mut out = Vec::with_capacity(seq.len()?);
     for i in 0..seq.len()? {
@@ -268,8 +321,7 @@ struct BlockHasher {
 }
 
 fn hashes_to_py<'py>(py: Python<'py>, hashes: &[BlockHash]) -> Bound<'py, PyList> {
-    PyList::new(py, hashes.iter().map(|h| PyBytes::new(py, h.as_ref())))
-        .expect("a list of bytes")
+    PyList::new(py, hashes.iter().map(|h| PyBytes::new(py, h.as_ref()))).expect("a list of bytes")
 }
 
 #[pymethods]
@@ -320,7 +372,9 @@ impl BlockHasher {
         }
         let hasher = &self.inner;
         let hashes = py
-            .detach(|| hasher.hash_token_slice(tokens.slice(), block_size, parent, extra.as_deref()))
+            .detach(|| {
+                hasher.hash_token_slice(tokens.slice(), block_size, parent, extra.as_deref())
+            })
             .map_err(value_error)?;
         Ok(hashes_to_py(py, &hashes))
     }
@@ -383,7 +437,9 @@ impl GroupSpec {
         let block_size = positive("block_size", block_size)?;
         let window = window.map(|w| positive("window", w)).transpose()?;
         let mamba_mode = MambaMode::parse(mamba_mode).map_err(value_error)?;
-        let num_kv_heads = num_kv_heads.map(|h| positive("num_kv_heads", h)).transpose()?;
+        let num_kv_heads = num_kv_heads
+            .map(|h| positive("num_kv_heads", h))
+            .transpose()?;
         let inner = groups::GroupSpec::new(
             kind,
             block_size,
@@ -453,7 +509,9 @@ impl GroupSpec {
 
 fn extract_groups(groups: &Bound<'_, PyAny>) -> PyResult<Vec<groups::GroupSpec>> {
     if groups.is_instance_of::<PyString>() {
-        return Err(PyTypeError::new_err("groups must be a sequence of GroupSpec"));
+        return Err(PyTypeError::new_err(
+            "groups must be a sequence of GroupSpec",
+        ));
     }
     groups
         .try_iter()
@@ -461,9 +519,14 @@ fn extract_groups(groups: &Bound<'_, PyAny>) -> PyResult<Vec<groups::GroupSpec>>
         .enumerate()
         .map(|(i, g)| {
             let g = g?;
-            g.cast::<GroupSpec>().map(|s| s.get().inner.clone()).map_err(|_| {
-                PyTypeError::new_err(format!("groups[{i}] is a {}, not a GroupSpec", type_name(&g)))
-            })
+            g.cast::<GroupSpec>()
+                .map(|s| s.get().inner.clone())
+                .map_err(|_| {
+                    PyTypeError::new_err(format!(
+                        "groups[{i}] is a {}, not a GroupSpec",
+                        type_name(&g)
+                    ))
+                })
         })
         .collect()
 }
@@ -476,14 +539,20 @@ fn resolve_block_sizes(
     dcp: i64,
 ) -> PyResult<(u64, u64)> {
     let groups = extract_groups(groups)?;
-    let unit = prefix_match_unit.map(|u| positive("prefix_match_unit", u)).transpose()?;
+    let unit = prefix_match_unit
+        .map(|u| positive("prefix_match_unit", u))
+        .transpose()?;
     let dcp = positive("dcp", dcp)?;
     groups::resolve_block_sizes(&groups, unit, dcp).map_err(value_error)
 }
 
 #[pyfunction]
 #[pyo3(signature = (groups, hash_block_size, *, dcp = 1))]
-fn hashes_per_block(groups: &Bound<'_, PyAny>, hash_block_size: i64, dcp: i64) -> PyResult<Vec<u64>> {
+fn hashes_per_block(
+    groups: &Bound<'_, PyAny>,
+    hash_block_size: i64,
+    dcp: i64,
+) -> PyResult<Vec<u64>> {
     let groups = extract_groups(groups)?;
     let h = positive("hash_block_size", hash_block_size)?;
     let dcp = positive("dcp", dcp)?;
@@ -515,7 +584,8 @@ fn stride_keys<'py>(
         }
     }
     let picked = keys::stride_indices(seq.len()?, k, start);
-    let items: PyResult<Vec<Bound<'py, PyAny>>> = picked.into_iter().map(|i| seq.get_item(i)).collect();
+    let items: PyResult<Vec<Bound<'py, PyAny>>> =
+        picked.into_iter().map(|i| seq.get_item(i)).collect();
     PyList::new(py, items?)
 }
 
@@ -556,7 +626,10 @@ impl Namespace {
     fn text(&self, tp_rank: Option<i64>, dcp_rank: Option<i64>) -> PyResult<String> {
         let tp = tp_rank.map(|r| non_negative("tp_rank", r)).transpose()?;
         let dcp = dcp_rank.map(|r| non_negative("dcp_rank", r)).transpose()?;
-        Ok(self.inner.text_with(tp.unwrap_or(self.inner.tp_rank), dcp.unwrap_or(self.inner.dcp_rank)))
+        Ok(self.inner.text_with(
+            tp.unwrap_or(self.inner.tp_rank),
+            dcp.unwrap_or(self.inner.dcp_rank),
+        ))
     }
 
     fn __str__(&self) -> String {
@@ -570,7 +643,10 @@ impl Namespace {
 
 #[pyfunction]
 fn layout_fingerprint(description: &Bound<'_, PyDict>) -> PyResult<String> {
-    Ok(keys::layout_fingerprint(&to_value(description.as_any(), 0)?))
+    Ok(keys::layout_fingerprint(&to_value(
+        description.as_any(),
+        0,
+    )?))
 }
 
 // ---- planning -----------------------------------------------------------------------------
@@ -578,7 +654,9 @@ fn layout_fingerprint(description: &Bound<'_, PyDict>) -> PyResult<String> {
 type PyTransfer = (String, usize, u64);
 
 fn transfers(list: Vec<Transfer>) -> Vec<PyTransfer> {
-    list.into_iter().map(|t| (t.key, t.group, t.block_id)).collect()
+    list.into_iter()
+        .map(|t| (t.key, t.group, t.block_id))
+        .collect()
 }
 
 #[pyclass(module = "kvstride._core", frozen, get_all)]
@@ -641,7 +719,9 @@ struct KeyPlanner {
 
 fn extract_hashes<'py>(obj: &Bound<'py, PyAny>) -> PyResult<Vec<Bound<'py, PyBytes>>> {
     if obj.is_instance_of::<PyBytes>() || obj.is_instance_of::<PyString>() {
-        return Err(PyTypeError::new_err("block_hashes must be a list of bytes, not one bytes/str"));
+        return Err(PyTypeError::new_err(
+            "block_hashes must be a list of bytes, not one bytes/str",
+        ));
     }
     obj.try_iter()
         .map_err(|_| PyTypeError::new_err("block_hashes must be a list of bytes"))?
@@ -663,9 +743,13 @@ fn hash_slices<'a>(hashes: &'a [Bound<'_, PyBytes>]) -> Vec<&'a [u8]> {
 }
 
 fn extract_exists(obj: Option<&Bound<'_, PyAny>>) -> PyResult<HashSet<String>> {
-    let Some(obj) = obj else { return Ok(HashSet::new()) };
+    let Some(obj) = obj else {
+        return Ok(HashSet::new());
+    };
     if obj.is_instance_of::<PyString>() {
-        return Err(PyTypeError::new_err("exists must be a set of key strings, not one str"));
+        return Err(PyTypeError::new_err(
+            "exists must be a set of key strings, not one str",
+        ));
     }
     obj.try_iter()
         .map_err(|_| PyTypeError::new_err("exists must be a set (or iterable) of key strings"))?
@@ -705,9 +789,14 @@ impl KeyPlanner {
 
     fn group_index(&self, group: i64) -> PyResult<usize> {
         let n = self.inner.groups().len();
-        usize::try_from(group).ok().filter(|&g| g < n).ok_or_else(|| {
-            PyIndexError::new_err(format!("group {group} out of range: this planner has {n} groups"))
-        })
+        usize::try_from(group)
+            .ok()
+            .filter(|&g| g < n)
+            .ok_or_else(|| {
+                PyIndexError::new_err(format!(
+                    "group {group} out of range: this planner has {n} groups"
+                ))
+            })
     }
 }
 
@@ -750,7 +839,9 @@ impl KeyPlanner {
             tp_size: positive("tp_size", tp_size)?,
             tp_rank: non_negative("tp_rank", tp_rank)?,
         };
-        Ok(KeyPlanner { inner: planner::KeyPlanner::new(config).map_err(value_error)? })
+        Ok(KeyPlanner {
+            inner: planner::KeyPlanner::new(config).map_err(value_error)?,
+        })
     }
 
     #[getter]
@@ -775,7 +866,11 @@ impl KeyPlanner {
     }
     #[getter]
     fn groups(&self) -> Vec<GroupSpec> {
-        self.inner.groups().iter().map(|g| GroupSpec { inner: g.clone() }).collect()
+        self.inner
+            .groups()
+            .iter()
+            .map(|g| GroupSpec { inner: g.clone() })
+            .collect()
     }
 
     fn replication(&self, group: i64) -> PyResult<u64> {
@@ -816,7 +911,10 @@ impl KeyPlanner {
         let plan = py
             .detach(|| inner.plan_save(&slices, &tables, n, offset, &|k| exists.contains(k)))
             .map_err(value_error)?;
-        Ok(SavePlan { end: plan.end, puts: transfers(plan.puts) })
+        Ok(SavePlan {
+            end: plan.end,
+            puts: transfers(plan.puts),
+        })
     }
 
     #[pyo3(signature = (block_hashes, block_ids, handoffs, *, saved_offset = 0, exists = None))]
@@ -832,7 +930,9 @@ impl KeyPlanner {
         let hashes = extract_hashes(block_hashes)?;
         let tables = self.block_tables(block_ids)?;
         let raw: Vec<(i64, i64, i64)> = handoffs.extract().map_err(|_| {
-            PyTypeError::new_err("handoffs must be a list of (group, block_id, boundary) int tuples")
+            PyTypeError::new_err(
+                "handoffs must be a list of (group, block_id, boundary) int tuples",
+            )
         })?;
         let handoffs: Vec<(usize, u64, u64)> = raw
             .into_iter()
@@ -849,9 +949,15 @@ impl KeyPlanner {
         let slices = hash_slices(&hashes);
         let inner = &self.inner;
         let plan = py
-            .detach(|| inner.plan_tail(&slices, &tables, &handoffs, offset, &|k| exists.contains(k)))
+            .detach(|| {
+                inner.plan_tail(&slices, &tables, &handoffs, offset, &|k| exists.contains(k))
+            })
             .map_err(value_error)?;
-        Ok(TailPlan { outcome: plan.outcome.name(), boundary: plan.boundary, puts: transfers(plan.puts) })
+        Ok(TailPlan {
+            outcome: plan.outcome.name(),
+            boundary: plan.boundary,
+            puts: transfers(plan.puts),
+        })
     }
 
     fn lookup_keys<'py>(
@@ -865,9 +971,40 @@ impl KeyPlanner {
         let slices = hash_slices(&hashes);
         // Straight into Python str objects: no Rust String per key (this is the hot path of
         // every scheduler lookup, and the work is a few ns per key, so the GIL stays held).
-        let mut keys = Vec::new();
-        self.inner.for_each_lookup_key(&slices, n, |key| keys.push(PyString::new(py, key)));
-        PyList::new(py, keys)
+        // Each hash is hexed once (the planner caches it across groups), the list is created
+        // at its final size and filled in place.
+        let candidates = self.inner.lookup_candidates(&slices, n);
+        let count = self.inner.lookup_key_count(&candidates);
+        // SAFETY: PyList_New(count) returns a new list of `count` NULL slots (or NULL with an
+        // exception set); each slot is filled exactly once below with a new reference, which
+        // PyList_SetItem steals, and `count` is exactly the number of keys the planner emits.
+        unsafe {
+            use pyo3::ffi;
+            let list = Bound::from_owned_ptr_or_err(py, ffi::PyList_New(count as ffi::Py_ssize_t))?;
+            let mut i = 0usize;
+            let mut failed = false;
+            self.inner
+                .for_each_candidate_key(&slices, &candidates, |key| {
+                    if failed {
+                        return;
+                    }
+                    let s = ffi::PyUnicode_FromStringAndSize(
+                        key.as_ptr().cast(),
+                        key.len() as ffi::Py_ssize_t,
+                    );
+                    if s.is_null() {
+                        failed = true;
+                        return;
+                    }
+                    ffi::PyList_SetItem(list.as_ptr(), i as ffi::Py_ssize_t, s);
+                    i += 1;
+                });
+            if failed {
+                return Err(PyErr::fetch(py));
+            }
+            debug_assert_eq!(i, count);
+            Ok(list.cast_into_unchecked())
+        }
     }
 
     fn longest_hit(
@@ -900,7 +1037,8 @@ impl KeyPlanner {
             .collect::<PyResult<_>>()?;
         let slices = hash_slices(&hashes);
         let inner = &self.inner;
-        py.detach(|| inner.longest_hit_bitmap(&slices, n, &bits)).map_err(value_error)
+        py.detach(|| inner.longest_hit_bitmap(&slices, n, &bits))
+            .map_err(value_error)
     }
 
     #[pyo3(signature = (block_hashes, block_ids, hit_tokens, *, local_tokens = 0))]
@@ -918,8 +1056,15 @@ impl KeyPlanner {
         let local = non_negative("local_tokens", local_tokens)?;
         let slices = hash_slices(&hashes);
         let inner = &self.inner;
-        let plan = py.detach(|| inner.plan_load(&slices, &tables, hit, local)).map_err(value_error)?;
-        Ok(LoadPlan { hit: plan.hit, start: plan.start, gets: transfers(plan.gets), missing: plan.missing })
+        let plan = py
+            .detach(|| inner.plan_load(&slices, &tables, hit, local))
+            .map_err(value_error)?;
+        Ok(LoadPlan {
+            hit: plan.hit,
+            start: plan.start,
+            gets: transfers(plan.gets),
+            missing: plan.missing,
+        })
     }
 
     fn __repr__(&self) -> String {
@@ -928,15 +1073,124 @@ impl KeyPlanner {
             self.inner.groups().len(),
             self.inner.hash_block_size(),
             self.inner.scheduler_block_size(),
-            if self.inner.partial_hits() { "True" } else { "False" }
+            if self.inner.partial_hits() {
+                "True"
+            } else {
+                "False"
+            }
         )
     }
 }
 
 #[pyfunction]
-fn dedup_gets(gets: Vec<(String, Bound<'_, PyAny>, Bound<'_, PyAny>)>) -> (Vec<String>, Vec<Vec<usize>>) {
+fn dedup_gets(
+    gets: Vec<(String, Bound<'_, PyAny>, Bound<'_, PyAny>)>,
+) -> (Vec<String>, Vec<Vec<usize>>) {
     let keys: Vec<&str> = gets.iter().map(|g| g.0.as_str()).collect();
     planner::dedup_gets(&keys)
+}
+
+// ---- store payload hashing (kvstride.stores verified reads) -------------------------------
+
+/// A batch is hashed on rayon's threads (one value per task) from this many bytes on.
+const PAR_HASH_BYTES: usize = 1 << 20;
+
+/// One payload part: a C-contiguous numpy array (any dtype, its bytes in memory order) or any
+/// object `numpy.frombuffer` accepts (bytes, bytearray, memoryview, ctypes arrays, mmap).
+/// Returns the (address, length) of its bytes; the array that owns them goes into `keep`,
+/// which the caller holds until every use of the pair is over.
+fn payload_part<'py>(
+    obj: &Bound<'py, PyAny>,
+    keep: &mut Vec<Bound<'py, PyAny>>,
+) -> PyResult<(usize, usize)> {
+    let array = match obj.cast::<PyUntypedArray>() {
+        Ok(a) => a.clone(),
+        Err(_) => obj
+            .py()
+            .import("numpy")?
+            .call_method1("frombuffer", (obj, "u1"))
+            .and_then(|a| Ok(a.cast_into::<PyUntypedArray>()?))
+            .map_err(|e| {
+                PyTypeError::new_err(format!(
+                    "a payload part must be a C-contiguous numpy array or a buffer (bytes, bytearray, \
+                     memoryview); got {}: {e}",
+                    type_name(obj)
+                ))
+            })?,
+    };
+    if !array.is_c_contiguous() {
+        return Err(PyValueError::new_err("a payload part must be C-contiguous"));
+    }
+    let len = array.len() * numpy::PyArrayDescrMethods::itemsize(&array.dtype());
+    // SAFETY: reads the data pointer of a live array object (no dereference here).
+    let addr = unsafe { (*array.as_array_ptr()).data } as usize;
+    keep.push(array.into_any());
+    Ok((addr, len))
+}
+
+/// A value's parts: a list or tuple of parts, or one part.
+fn payload_parts<'py>(
+    value: &Bound<'py, PyAny>,
+    keep: &mut Vec<Bound<'py, PyAny>>,
+) -> PyResult<Vec<(usize, usize)>> {
+    if value.is_instance_of::<PyList>() || value.is_instance_of::<PyTuple>() {
+        value.try_iter()?.map(|p| payload_part(&p?, keep)).collect()
+    } else {
+        Ok(vec![payload_part(value, keep)?])
+    }
+}
+
+/// XXH3-64 (seed 0) of the parts' bytes in order: the same value as one `xxh3_64` over their
+/// concatenation.
+fn xxh3_regions(parts: &[(usize, usize)]) -> u64 {
+    // SAFETY: every non-empty pair is the data of a C-contiguous array that the caller keeps
+    // alive (`keep`) for the whole call.
+    let slices: Vec<&[u8]> = parts
+        .iter()
+        .filter(|p| p.1 > 0)
+        .map(|&(addr, len)| unsafe { std::slice::from_raw_parts(addr as *const u8, len) })
+        .collect();
+    crate::payload::xxh3_64_parts(&slices)
+}
+
+/// `xxh3_64_parts(parts) -> int`: the XXH3-64 of one value given as parts (numpy arrays or
+/// buffers), equal to `xxhash.xxh3_64_intdigest(b"".join(parts))`; hashed with the GIL released.
+#[pyfunction]
+fn xxh3_64_parts(py: Python<'_>, parts: &Bound<'_, PyAny>) -> PyResult<u64> {
+    let mut keep = Vec::new();
+    let regions = payload_parts(parts, &mut keep)?;
+    let digest = py.detach(|| xxh3_regions(&regions));
+    drop(keep);
+    Ok(digest)
+}
+
+/// `xxh3_64_batch(values) -> list[int]`: `xxh3_64_parts` of each value, with the GIL released
+/// and the values spread over rayon's threads once the batch holds 1 MiB or more.
+#[pyfunction]
+fn xxh3_64_batch(py: Python<'_>, values: &Bound<'_, PyAny>) -> PyResult<Vec<u64>> {
+    let mut keep = Vec::new();
+    let regions: Vec<Vec<(usize, usize)>> = values
+        .try_iter()?
+        .map(|v| payload_parts(&v?, &mut keep))
+        .collect::<PyResult<_>>()?;
+    let total: usize = regions.iter().flatten().map(|p| p.1).sum();
+    let digests = py.detach(|| {
+        if total >= PAR_HASH_BYTES && regions.len() > 1 {
+            use rayon::prelude::*;
+            regions
+                .par_iter()
+                .with_max_len(1)
+                .map(|r| xxh3_regions(r))
+                .collect()
+        } else {
+            regions
+                .iter()
+                .map(|r| xxh3_regions(r))
+                .collect::<Vec<u64>>()
+        }
+    });
+    drop(keep);
+    Ok(digests)
 }
 
 #[pymodule]
@@ -954,6 +1208,8 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(stride_keys, m)?)?;
     m.add_function(wrap_pyfunction!(layout_fingerprint, m)?)?;
     m.add_function(wrap_pyfunction!(dedup_gets, m)?)?;
+    m.add_function(wrap_pyfunction!(xxh3_64_parts, m)?)?;
+    m.add_function(wrap_pyfunction!(xxh3_64_batch, m)?)?;
     m.add("HASH_ALGOS", HashAlgo::NAMES.to_vec())?;
     m.add("GROUP_KINDS", GroupKind::NAMES.to_vec())?;
     Ok(())

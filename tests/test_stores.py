@@ -141,3 +141,80 @@ def test_parts_as_addresses_and_tensors():
     whole = np.zeros(450, np.uint8)
     assert s.get(["k"], [[whole]]) == [Status.OK]
     assert bytes(whole[:400]) == t.numpy().tobytes()
+
+
+# ---- the payload hash (Rust core: kvstride._core.xxh3_64_parts / xxh3_64_batch) ----------
+
+
+@pytest.mark.parametrize("n", [0, 1, 17, 240, 241, 1023, 1024, 1025, 1088, 1089, 4096, 65_537, 1 << 20])
+def test_rust_payload_hash_equals_xxhash(n):
+    import xxhash
+
+    from kvstride import _core
+
+    data = np.random.default_rng(n).integers(0, 256, n, dtype=np.uint8)
+    want = xxhash.xxh3_64_intdigest(data.tobytes())
+    assert _core.xxh3_64_parts(data) == want
+    assert _core.xxh3_64_parts([data]) == want
+    for cuts in ([n // 2], [1, n // 3, n - 1], [63, 64, 1000]):
+        cuts = sorted(min(max(c, 0), n) for c in cuts)
+        pieces = np.split(data, cuts)
+        # every kind of part: numpy, bytes, bytearray, memoryview, an empty part
+        mixed = [pieces[0], b"", *[bytes(p) if i % 3 == 0 else bytearray(p) if i % 3 == 1 else memoryview(p) for i, p in enumerate(pieces[1:])]]
+        assert _core.xxh3_64_parts(mixed) == want
+        assert _core.xxh3_64_parts(tuple(pieces)) == want
+    # other dtypes hash their bytes in memory order
+    if n % 4 == 0:
+        assert _core.xxh3_64_parts(data.view(np.int32)) == want
+
+
+def test_rust_payload_hash_batch_and_bad_parts():
+    import xxhash
+
+    from kvstride import _core
+
+    rng = np.random.default_rng(3)
+    values = [[rng.integers(0, 256, 300_000, dtype=np.uint8), rng.integers(0, 256, k, dtype=np.uint8)] for k in range(0, 40, 3)]
+    want = [xxhash.xxh3_64_intdigest(b"".join(p.tobytes() for p in v)) for v in values]
+    assert _core.xxh3_64_batch(values) == want  # > 1 MiB in all: spread over threads
+    assert _core.xxh3_64_batch(values[:2]) == want[:2]
+    assert _core.xxh3_64_batch([]) == []
+    with pytest.raises(ValueError):
+        _core.xxh3_64_parts([np.zeros((4, 4), np.uint8)[:, 1]])  # not contiguous
+    with pytest.raises(TypeError):
+        _core.xxh3_64_parts([12345])
+    with pytest.raises(TypeError):
+        _core.xxh3_64_parts([torch.zeros(4)])  # tensors go through numpy views (stores._views)
+
+
+def test_wire_format_same_with_and_without_the_rust_hash(monkeypatch):
+    import xxhash
+
+    from kvstride import stores
+
+    src = _bufs(3, 70_000, seed=5)
+    s = EmbeddedStore(1 << 22, fingerprint=b"12345678")
+    assert s.put(["a", "b", "c"], src) == [Status.OK] * 3
+    value = s._data["b"]
+    digest = stores._HDR.unpack_from(value[:HEADER_BYTES].tobytes(), 0)[-1]
+    assert digest == xxhash.xxh3_64_intdigest(value[HEADER_BYTES:].tobytes())
+    # Values written with the Rust hash read back with the xxhash package, and the other way.
+    monkeypatch.setattr(stores, "_xxh3_parts", None)
+    monkeypatch.setattr(stores, "_xxh3_batch", None)
+    dst = _zeros(3, 70_000)
+    assert s.get(["a", "b", "c"], dst) == [Status.OK] * 3
+    assert s.put(["d"], src[:1]) == [Status.OK]
+    monkeypatch.undo()
+    assert s.get(["d"], dst[:1]) == [Status.OK]
+    assert all((d[0] == x[0]).all() and (d[1] == x[1]).all() for d, x in zip(dst, src))
+
+
+@pytest.mark.parametrize("where", [0, 1000, 70_000 - 1, 70_000 + 3])
+def test_rust_hash_catches_a_flipped_bit_anywhere(where):
+    s = EmbeddedStore(1 << 22, fingerprint=b"12345678")
+    src = _bufs(2, 70_000, seed=7)
+    assert s.put(["x", "y"], src) == [Status.OK, Status.OK]
+    s._data["y"][HEADER_BYTES + where] ^= 0x80
+    dst = _zeros(2, 70_000)
+    assert s.get(["x", "y"], dst) == [Status.OK, Status.CORRUPT]
+    assert not dst[1][0].any() and not dst[1][1].any()

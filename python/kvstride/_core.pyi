@@ -174,3 +174,11 @@ class KeyPlanner:
 
 def dedup_gets(gets: Sequence[tuple[str, int, int]]) -> tuple[list[str], list[list[int]]]:
     """Unique keys in first-seen order, and for each the indices of ``gets`` it feeds."""
+
+def xxh3_64_parts(parts: object) -> int:
+    """XXH3-64 (seed 0) of one value's parts concatenated (a list/tuple of C-contiguous numpy
+    arrays or buffer objects, or one of them): equal to ``xxhash.xxh3_64_intdigest(b"".join(parts))``.
+    Hashed with the GIL released (the store payload hash, ``kvstride.stores``)."""
+
+def xxh3_64_batch(values: Sequence[object]) -> list[int]:
+    """``xxh3_64_parts`` of each value, GIL released, spread over threads from 1 MiB in all."""

@@ -27,6 +27,7 @@ master) raise ``ValueError`` / ``RuntimeError``.
 from __future__ import annotations
 
 import collections
+import contextlib
 import ctypes
 import enum
 import importlib.util
@@ -128,12 +129,38 @@ def _mv(addr: int, n: int) -> memoryview:
     return memoryview((ctypes.c_char * n).from_address(addr)).cast("B")
 
 
+# The payload hash: XXH3-64 (seed 0) of the parts' bytes in order.  The Rust core hashes with
+# the GIL released and a batch of values on all cores; the `xxhash`
+# package (same digest) is the fallback when the core is not built (benches from a checkout).
+try:
+    from . import _core as _rcore
+
+    _xxh3_parts = _rcore.xxh3_64_parts
+    _xxh3_batch = _rcore.xxh3_64_batch
+except (ImportError, AttributeError):  # pragma: no cover - core not built
+    _xxh3_parts = _xxh3_batch = None
+
+
+def _views(parts) -> list:
+    """numpy uint8 views of ``(address, nbytes)`` parts (the caller keeps the memory alive)."""
+    return [np.frombuffer((ctypes.c_char * n).from_address(a), np.uint8) for a, n in parts if n]
+
+
 def _hash_parts(parts) -> int:
+    if _xxh3_parts is not None:
+        return _xxh3_parts(_views(parts))
     h = xxhash.xxh3_64()
     for a, n in parts:
         if n:
             h.update(_mv(a, n))
     return h.intdigest()
+
+
+def _hash_many(values) -> list:
+    """``_hash_parts`` of each value (a list of parts), in one call spread over the cores."""
+    if _xxh3_batch is not None:
+        return _xxh3_batch([_views(parts) for parts in values])
+    return [_hash_parts(parts) for parts in values]
 
 
 def _key_digest(key: str) -> bytes:
@@ -195,16 +222,21 @@ class KVStore:
             self._logged.add((op, status))
             log.warning("kvstride %s %s: %s %s (logged once)", type(self).__name__, op, status.value, detail)
 
-    def _make_header(self, key: str, parts) -> bytes:
+    def _make_header(self, key: str, parts, digest: Optional[int] = None) -> bytes:
+        """``digest``: the payload hash when the caller computed it already (``_hash_many``)."""
         length = sum(n for _, n in parts)
         if self.verify:
-            return _HDR.pack(_MAGIC, FORMAT_VERSION, _FLAG_HASHED, self.fingerprint, _key_digest(key), length, _hash_parts(parts)).ljust(
+            if digest is None:
+                digest = _hash_parts(parts)
+            return _HDR.pack(_MAGIC, FORMAT_VERSION, _FLAG_HASHED, self.fingerprint, _key_digest(key), length, digest).ljust(
                 HEADER_BYTES, b"\0"
             )
         return _HDR.pack(_MAGIC, FORMAT_VERSION, 0, self.fingerprint, _key_digest(key), length, 0).ljust(HEADER_BYTES, b"\0")
 
-    def _check(self, key: str, header, parts, payload_parts=None) -> str:
-        """'' if the header (and, when verifying, the payload hash) matches, else why not."""
+    def _check(self, key: str, header, parts, payload_parts=None, payload_hash=None) -> str:
+        """'' if the header (and, when verifying, the payload hash) matches, else why not.
+        ``payload_hash``: the hash of the payload bytes when the caller computed it already
+        (over exactly the bytes that would be hashed here)."""
         try:
             magic, ver, flags, fp, kd, length, digest = _HDR.unpack_from(header, 0)
         except struct.error:
@@ -220,7 +252,9 @@ class KVStore:
         if self.verify:
             if not flags & _FLAG_HASHED:
                 return "value written without a hash"
-            if _hash_parts(payload_parts or parts) != digest:
+            if payload_hash is None:
+                payload_hash = _hash_parts(payload_parts or parts)
+            if payload_hash != digest:
                 return "payload hash mismatch"
         return ""
 
@@ -377,6 +411,17 @@ class EmbeddedStore(KVStore):
                 v = self._data.pop(k, None)
                 if v is not None:
                     self.used -= v.nbytes
+
+    def keys(self) -> list:
+        """A snapshot of the stored keys, least recently used first."""
+        with self._lock:
+            return list(self._data)
+
+    def clear(self) -> None:
+        """Drop every value (the store stays open), as a restarted store would be."""
+        with self._lock:
+            self._data.clear()
+            self.used = 0
 
     def close(self) -> None:
         with self._lock:
@@ -661,6 +706,17 @@ class MooncakeStore(KVStore):
         """The raw MooncakeDistributedStore (tests, benches).  Never use it after close()."""
         return None if self._closed else self._client
 
+    @contextlib.contextmanager
+    def raw(self):
+        """The raw MooncakeDistributedStore for a few direct calls, held like one of this
+        store's own calls (``close`` waits for it); None when closed or known down."""
+        c = self._enter("raw", 0)
+        try:
+            yield c
+        finally:
+            if c is not None:
+                self._leave()
+
     def health(self) -> int:
         c = self._enter("health", 0)
         if c is None:
@@ -724,8 +780,9 @@ class MooncakeStore(KVStore):
         if todo:
             hdr = self._headers(len(todo))
             hbase = hdr.ctypes.data
+            digests = _hash_many([regs[i] for i in todo]) if self.verify else [None] * len(todo)
             for j, i in enumerate(todo):
-                hdr[j * HEADER_BYTES : (j + 1) * HEADER_BYTES] = np.frombuffer(self._make_header(keys[i], regs[i]), np.uint8)
+                hdr[j * HEADER_BYTES : (j + 1) * HEADER_BYTES] = np.frombuffer(self._make_header(keys[i], regs[i], digests[j]), np.uint8)
             ptrs = [[hbase + j * HEADER_BYTES] + [a for a, _ in regs[i]] for j, i in enumerate(todo)]
             sizes = [[HEADER_BYTES] + [n for _, n in regs[i]] for i in todo]
             codes = self._call("put", "batch_put_from_multi_buffers", [keys[i] for i in todo], ptrs, sizes)
@@ -777,13 +834,19 @@ class MooncakeStore(KVStore):
             ptrs = [[hbase + j * HEADER_BYTES] + [a for a, _ in regs[i]] for j, i in enumerate(todo)]
             sizes = [[HEADER_BYTES] + [n for _, n in regs[i]] for i in todo]
             codes = self._call("get", "batch_get_into_multi_buffers", [keys[i] for i in todo], ptrs, sizes)
+            hashes: dict = {}
+            if self.verify:  # every full-sized value's payload, hashed in place in one call
+                full = [j for j, (i, rc) in enumerate(zip(todo, codes)) if rc == HEADER_BYTES + sum(n for _, n in regs[i])]
+                hashes = dict(zip(full, _hash_many([regs[todo[j]] for j in full])))
             for j, (i, rc) in enumerate(zip(todo, codes)):
                 st = _status_of(rc, "get")
                 why = ""
                 if st is Status.OK:
                     want = HEADER_BYTES + sum(n for _, n in regs[i])
                     why = f"value is {rc} B, expected {want}" if rc != want else ""
-                    why = why or self._check(keys[i], hdr[j * HEADER_BYTES : (j + 1) * HEADER_BYTES].tobytes(), regs[i])
+                    why = why or self._check(
+                        keys[i], hdr[j * HEADER_BYTES : (j + 1) * HEADER_BYTES].tobytes(), regs[i], payload_hash=hashes.get(j)
+                    )
                     if why:
                         st = Status.CORRUPT
                         if why in _BAD_CONTENT:
