@@ -248,7 +248,7 @@ def bench(args) -> int:
         print("kvstride bench runs the benches of a source checkout (benches/ next to python/); "
               "clone the repository and run `make bench`", file=sys.stderr)
         return 2
-    env = dict(os.environ, PYTHONPATH=str(benches) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env = dict(os.environ, MC_LOG_LEVEL=os.environ.get("MC_LOG_LEVEL", "ERROR"), PYTHONPATH=str(benches) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     failed = 0
     if args.rust:
         print("## cargo bench --bench core\n", flush=True)
@@ -303,6 +303,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
+    import os
+
+    # Mooncake's C++ client logs every connection step at INFO; keep the command's output readable.
+    os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.command == "bench":

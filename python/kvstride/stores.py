@@ -258,6 +258,20 @@ class KVStore:
                 return "payload hash mismatch"
         return ""
 
+    def _prepare(self, op: str, keys: list, buffers, writable: bool):
+        """The buffers as regions (and what keeps them alive), a per-key INVALID or None, and
+        the dedup of the keys; None, counted, when the whole call is refused."""
+        try:
+            regs, keep = _regions(buffers, writable=writable)
+        except (ValueError, TypeError) as e:
+            self._note(op, Status.INVALID, len(keys), str(e))
+            return None
+        if len(regs) != len(keys):
+            self._note(op, Status.INVALID, len(keys), "keys and buffers differ in length")
+            return None
+        first, uniq = self._dedup(keys)
+        return regs, keep, self._validate(keys, regs, op), first, uniq
+
     @staticmethod
     def _dedup(keys):
         first: dict = {}
@@ -307,16 +321,10 @@ class EmbeddedStore(KVStore):
 
     def put(self, keys, buffers):
         keys = list(keys)
-        try:
-            regs, _keep = _regions(buffers, writable=False)
-        except (ValueError, TypeError) as e:
-            self._note("put", Status.INVALID, len(keys), str(e))
+        prepared = self._prepare("put", keys, buffers, writable=False)
+        if prepared is None:
             return [Status.INVALID] * len(keys)
-        if len(regs) != len(keys):
-            self._note("put", Status.INVALID, len(keys), "keys and buffers differ in length")
-            return [Status.INVALID] * len(keys)
-        out: list = self._validate(keys, regs, "put")
-        first, uniq = self._dedup(keys)
+        regs, _keep, out, first, uniq = prepared  # _keep: the buffers stay alive for the call
         for i in uniq:
             if out[i] is not None:
                 continue
@@ -360,16 +368,10 @@ class EmbeddedStore(KVStore):
 
     def get(self, keys, buffers):
         keys = list(keys)
-        try:
-            regs, _keep = _regions(buffers, writable=True)
-        except (ValueError, TypeError) as e:
-            self._note("get", Status.INVALID, len(keys), str(e))
+        prepared = self._prepare("get", keys, buffers, writable=True)
+        if prepared is None:
             return [Status.INVALID] * len(keys)
-        if len(regs) != len(keys):
-            self._note("get", Status.INVALID, len(keys), "keys and buffers differ in length")
-            return [Status.INVALID] * len(keys)
-        out: list = self._validate(keys, regs, "get")
-        first, uniq = self._dedup(keys)
+        regs, _keep, out, first, uniq = prepared  # _keep: the buffers stay alive for the call
         for i in uniq:
             if out[i] is not None:
                 continue
@@ -766,16 +768,10 @@ class MooncakeStore(KVStore):
 
     def put(self, keys, buffers):
         keys = list(keys)
-        try:
-            regs, _keep = _regions(buffers, writable=False)
-        except (ValueError, TypeError) as e:
-            self._note("put", Status.INVALID, len(keys), str(e))
+        prepared = self._prepare("put", keys, buffers, writable=False)
+        if prepared is None:
             return [Status.INVALID] * len(keys)
-        if len(regs) != len(keys):
-            self._note("put", Status.INVALID, len(keys), "keys and buffers differ in length")
-            return [Status.INVALID] * len(keys)
-        out: list = self._validate(keys, regs, "put")
-        first, uniq = self._dedup(keys)
+        regs, _keep, out, first, uniq = prepared  # _keep: the buffers stay alive for the call
         todo = [i for i in uniq if out[i] is None]
         if todo:
             hdr = self._headers(len(todo))
@@ -816,16 +812,10 @@ class MooncakeStore(KVStore):
 
     def get(self, keys, buffers):
         keys = list(keys)
-        try:
-            regs, _keep = _regions(buffers, writable=True)
-        except (ValueError, TypeError) as e:
-            self._note("get", Status.INVALID, len(keys), str(e))
+        prepared = self._prepare("get", keys, buffers, writable=True)
+        if prepared is None:
             return [Status.INVALID] * len(keys)
-        if len(regs) != len(keys):
-            self._note("get", Status.INVALID, len(keys), "keys and buffers differ in length")
-            return [Status.INVALID] * len(keys)
-        out: list = self._validate(keys, regs, "get")
-        first, uniq = self._dedup(keys)
+        regs, _keep, out, first, uniq = prepared  # _keep: the buffers stay alive for the call
         todo = [i for i in uniq if out[i] is None]
         corrupt = []
         if todo:
