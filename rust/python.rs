@@ -7,7 +7,7 @@ use crate::groups::{self, GroupKind, MambaMode};
 use crate::hashing::{self, BlockHash, ExtraKeys, HashAlgo, TokenSlice};
 use crate::keys;
 use crate::planner::{self, NamespaceSpec, PlannerConfig, Transfer};
-use numpy::{PyArray1, PyArrayMethods, PyUntypedArray, PyUntypedArrayMethods};
+use numpy::{PyArray1, PyArrayMethods, PyReadonlyArray1, PyUntypedArray, PyUntypedArrayMethods};
 use pyo3::exceptions::{PyIndexError, PyTypeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::{
@@ -35,26 +35,37 @@ fn positive(name: &str, value: i64) -> PyResult<u64> {
 
 // ---- token ids --------------------------------------------------------------------------
 
-/// Token ids copied out of Python (lists) or a numpy array's own buffer.
-enum TokenBuf {
+/// Token ids: copied out of a Python list, or a contiguous numpy array borrowed in place
+/// (read-only; the borrow lives as long as this value).
+enum TokenBuf<'py> {
     I32(Vec<i32>),
     I64(Vec<i64>),
     U32(Vec<u32>),
     U64(Vec<u64>),
+    ArrayI32(PyReadonlyArray1<'py, i32>),
+    ArrayI64(PyReadonlyArray1<'py, i64>),
+    ArrayU32(PyReadonlyArray1<'py, u32>),
+    ArrayU64(PyReadonlyArray1<'py, u64>),
 }
 
-impl TokenBuf {
+impl TokenBuf<'_> {
+    /// The ids as a plain slice, made before the GIL is released (the guard stays here).
     fn slice(&self) -> TokenSlice<'_> {
+        let contiguous = "borrowed only when contiguous";
         match self {
             TokenBuf::I32(v) => TokenSlice::I32(v),
             TokenBuf::I64(v) => TokenSlice::I64(v),
             TokenBuf::U32(v) => TokenSlice::U32(v),
             TokenBuf::U64(v) => TokenSlice::U64(v),
+            TokenBuf::ArrayI32(a) => TokenSlice::I32(a.as_slice().expect(contiguous)),
+            TokenBuf::ArrayI64(a) => TokenSlice::I64(a.as_slice().expect(contiguous)),
+            TokenBuf::ArrayU32(a) => TokenSlice::U32(a.as_slice().expect(contiguous)),
+            TokenBuf::ArrayU64(a) => TokenSlice::U64(a.as_slice().expect(contiguous)),
         }
     }
 }
 
-fn numpy_tokens(array: &Bound<'_, PyUntypedArray>) -> PyResult<TokenBuf> {
+fn numpy_tokens<'py>(array: &Bound<'py, PyUntypedArray>) -> PyResult<TokenBuf<'py>> {
     if array.ndim() != 1 {
         return Err(PyValueError::new_err(format!(
             "token_ids must be 1-D; got a numpy array of shape {:?}",
@@ -62,9 +73,14 @@ fn numpy_tokens(array: &Bound<'_, PyUntypedArray>) -> PyResult<TokenBuf> {
         )));
     }
     macro_rules! take {
-        ($t:ty, $variant:ident) => {
+        ($t:ty, $owned:ident, $borrowed:ident) => {
             if let Ok(a) = array.cast::<PyArray1<$t>>() {
-                return Ok(TokenBuf::$variant(a.readonly().as_array().to_vec()));
+                let ids = a.readonly();
+                return Ok(if ids.is_contiguous() {
+                    TokenBuf::$borrowed(ids)
+                } else {
+                    TokenBuf::$owned(ids.as_array().to_vec())
+                });
             }
         };
     }
@@ -77,10 +93,10 @@ fn numpy_tokens(array: &Bound<'_, PyUntypedArray>) -> PyResult<TokenBuf> {
             }
         };
     }
-    take!(i64, I64);
-    take!(i32, I32);
-    take!(u32, U32);
-    take!(u64, U64);
+    take!(i64, I64, ArrayI64);
+    take!(i32, I32, ArrayI32);
+    take!(u32, U32, ArrayU32);
+    take!(u64, U64, ArrayU64);
     widen!(i16);
     widen!(u16);
     widen!(i8);
@@ -91,7 +107,7 @@ fn numpy_tokens(array: &Bound<'_, PyUntypedArray>) -> PyResult<TokenBuf> {
     )))
 }
 
-fn extract_tokens(obj: &Bound<'_, PyAny>) -> PyResult<TokenBuf> {
+fn extract_tokens<'py>(obj: &Bound<'py, PyAny>) -> PyResult<TokenBuf<'py>> {
     if let Ok(array) = obj.cast::<PyUntypedArray>() {
         return numpy_tokens(array);
     }
@@ -166,7 +182,7 @@ fn wide_tokens(
     seq: &Bound<'_, PySequence>,
     at: usize,
     item: &Bound<'_, PyAny>,
-) -> PyResult<TokenBuf> {
+) -> PyResult<TokenBuf<'static>> {
     if !item.is_instance_of::<PyInt>() || item.is_instance_of::<PyBool>() {
         return Err(PyTypeError::new_err(format!(
             "token_ids[{at}] is {} ({}); token ids must be ints",
@@ -371,10 +387,9 @@ impl BlockHasher {
             }
         }
         let hasher = &self.inner;
+        let ids = tokens.slice();
         let hashes = py
-            .detach(|| {
-                hasher.hash_token_slice(tokens.slice(), block_size, parent, extra.as_deref())
-            })
+            .detach(|| hasher.hash_token_slice(ids, block_size, parent, extra.as_deref()))
             .map_err(value_error)?;
         Ok(hashes_to_py(py, &hashes))
     }
@@ -397,9 +412,9 @@ impl BlockHasher {
             return Err(PyValueError::new_err("a parent hash is at most 32 bytes"));
         }
         let hasher = &self.inner;
+        let slices: Vec<TokenSlice<'_>> = buffers.iter().map(TokenBuf::slice).collect();
         let all = py
             .detach(|| {
-                let slices: Vec<TokenSlice<'_>> = buffers.iter().map(TokenBuf::slice).collect();
                 let parents: Vec<Option<&[u8]>> = parents.iter().map(|p| p.as_deref()).collect();
                 hasher.hash_blocks_batch(&slices, block_size, &parents)
             })
