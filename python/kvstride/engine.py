@@ -89,6 +89,9 @@ class _Job:
 
 _STOP = object()
 
+#: Durations kept per operation for percentiles.
+TIMINGS_KEPT = 10_000
+
 
 class OffloadEngine:
     """Drives one rank's offloading through ``planner`` (the core), ``transfer`` (torch copies
@@ -107,7 +110,12 @@ class OffloadEngine:
         self.pool: StagingPool = transfer.pool
         self.store = store
         self.counters: collections.Counter = collections.Counter()
-        self.timings: Dict[str, List[float]] = collections.defaultdict(list)
+        # Per operation: the latest durations (bounded: the engine runs for the server's
+        # lifetime) for percentiles, and the total seconds for rates.
+        self.timings: Dict[str, "collections.deque[float]"] = collections.defaultdict(
+            lambda: collections.deque(maxlen=TIMINGS_KEPT)
+        )
+        self.seconds: collections.Counter = collections.Counter()
         self._requests: Dict[str, _RequestState] = {}
         self._finished = Finished()
         self._lock = threading.RLock()
@@ -136,6 +144,7 @@ class OffloadEngine:
     def _time(self, name: str, seconds: float) -> None:
         with self._lock:
             self.timings[name].append(seconds)
+            self.seconds[name] += seconds
 
     def saved_offset(self, req_id: str) -> int:
         with self._lock:

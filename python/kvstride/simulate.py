@@ -379,8 +379,8 @@ class Simulation:
         t = self.engine.timings
         prompt = sum(r["prompt_tokens"] for r in self.history)
         hit = sum(r["hit_tokens"] for r in self.history)
-        put_seconds = sum(t.get("put", []))
-        get_seconds = sum(t.get("get", []))
+        put_seconds = self.engine.seconds["put"]
+        get_seconds = self.engine.seconds["get"]
         outcomes = {k: v for k, v in sorted(c.items()) if k.startswith(("tail_", "put_", "get_", "loads_", "load_", "save_", "saves_", "lookup_errors", "refused", "worker_errors"))}
         outcomes.update(self.faults)
         return {
