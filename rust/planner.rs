@@ -541,22 +541,11 @@ impl KeyPlanner {
         keys
     }
 
-    /// `lookup_keys` one at a time through a reused buffer (no allocation per key).
-    pub fn for_each_lookup_key<H: AsRef<[u8]>>(
-        &self,
-        hashes: &[H],
-        num_tokens: u64,
-        f: impl FnMut(&str),
-    ) {
-        let candidates = self.lookup_candidates(hashes, num_tokens);
-        self.for_each_candidate_key(hashes, &candidates, f)
-    }
-
     /// How many keys `candidates` expand to.
     pub fn lookup_key_count(&self, candidates: &[Candidate]) -> usize {
         candidates
             .iter()
-            .map(|c| self.lookup_prefixes[c.group].len())
+            .map(|c| self.namespaces_per_group(c.group))
             .sum()
     }
 
@@ -609,10 +598,7 @@ impl KeyPlanner {
         let num_hashes = hashes.len();
         let repeats = has_repeats(hashes);
         let candidates = self.unique_candidates(hashes, num_tokens, repeats);
-        let expected: usize = candidates
-            .iter()
-            .map(|c| self.namespaces_per_group(c.group))
-            .sum();
+        let expected = self.lookup_key_count(&candidates);
         if bitmap.len() != expected {
             return Err(Error::new(format!(
                 "the existence bitmap has {} entries but lookup_keys gives {expected} keys for \
