@@ -12,7 +12,7 @@ from conftest import IMPLS, ref_digest, ref_hash_blocks
 
 ALGOS = ["sha256_cbor", "xxhash_cbor"]
 HSET = settings(
-    max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+    max_examples=200, deadline=None, suppress_health_check=list(HealthCheck)
 )
 
 # ---- §1 test vectors -----------------------------------------------------------------------
@@ -126,7 +126,7 @@ def test_random_hashes_match_cbor2_definition(impl, case):
     assert all(len(x) == h.digest_size for x in got)
 
 
-@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck))
 @given(
     tokens=st.lists(st.integers(0, 2**64 - 1), min_size=1, max_size=24),
     block_size=st.integers(1, 6),
@@ -206,7 +206,7 @@ def test_numpy_every_int_dtype_equals_list(impl, dtype, algo):
     assert h.hash_blocks(vals[::2], 3) == ref_hash_blocks(algo, h.none_hash, as_list[::2], 3)
 
 
-@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=100, deadline=None, suppress_health_check=list(HealthCheck))
 @given(
     reqs=st.lists(st.lists(st.integers(0, 2**31 - 1), max_size=40), max_size=6),
     block_size=st.integers(1, 8),
