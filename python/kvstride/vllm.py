@@ -1,0 +1,436 @@
+"""vLLM KV connector: a thin driver of :class:`kvstride.engine.OffloadEngine`.
+
+Use it with::
+
+    KVTransferConfig(kv_connector="KVStrideConnector", kv_connector_module_path="kvstride.vllm",
+                     kv_role="kv_both", kv_load_failure_policy="recompute",
+                     kv_connector_extra_config={"store": "embedded", "store_name": "default"})
+
+``kv_connector_extra_config``:
+
+- ``store``: ``"embedded"`` (default: an in-process store, shared by every connector of this
+  process that names the same ``store_name`` and has the same layout fingerprint) or
+  ``"mooncake"`` with ``mooncake_master`` = ``"host:port"``;
+- ``store_bytes`` (embedded capacity, default 1 GiB), ``staging_bytes`` (default 64 MiB),
+  ``model_id`` (the key namespace's model part, default the model path), ``cache_prefix``.
+
+The connector never derives a key or a boundary: the scheduler side hands vLLM's request
+block hashes to ``OffloadEngine.lookup`` and records the allocated per-group block ids; the
+worker side hands the same hashes and block ids to ``OffloadEngine.submit`` and reports what
+``get_finished`` returns (failed loads as block ids vLLM recomputes). The planner comes from
+vLLM's ``kv_cache_config`` groups through :class:`kvstride.GroupSpec` and
+:func:`kvstride.resolve_block_sizes`.
+
+Loads are synchronous (``get_num_new_matched_tokens`` returns ``(n, False)``; ``start_load_kv``
+waits for the load job). Saves run on the engine's worker while the request runs; a request
+that saved anything keeps its blocks (``request_finished`` returns True) until the worker
+drained its save jobs, so a freed block is never read by a save.
+
+Nothing raises into vLLM's step: errors become misses, failed block ids or skipped saves.
+Configuration that cannot work raises at construction.
+
+Limits: the embedded store is per process, so the scheduler and the worker must share one
+(``distributed_executor_backend="uni"``); use Mooncake otherwise. vLLM's block hashes start
+from a seed that is random per process unless ``PYTHONHASHSEED`` is set: two processes share
+hits only when it is. Loads are synchronous; partial-tail hand-offs
+(``register_finished_partial_tail``) are not taken yet.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import types
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional, Tuple
+
+import kvstride
+from kvstride.engine import LoadRequest, OffloadEngine, SaveRequest
+from kvstride.layout import KVLayout
+from kvstride.stores import EmbeddedStore, KVStore
+from kvstride.transfer import StagingPool, Transfer
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    SupportsHMA,
+)
+
+__all__ = ["KVStrideConnector", "KVStrideMetadata", "group_specs", "shared_store"]
+
+log = logging.getLogger("kvstride.vllm")
+
+#: Seconds a synchronous load (or a drain of saves at request end) may take before its
+#: blocks are reported failed / released.
+WAIT_TIMEOUT_S = 60.0
+
+# ---- stores shared by the connectors of one process ------------------------------------
+
+_STORES: Dict[Tuple[str, bytes], KVStore] = {}
+_STORES_LOCK = threading.Lock()
+
+
+def shared_store(name: str, fingerprint: bytes, factory) -> KVStore:
+    """The process-wide store for ``(name, fingerprint)``, made by ``factory()`` once."""
+    with _STORES_LOCK:
+        store = _STORES.get((name, fingerprint))
+        if store is None:
+            store = _STORES[(name, fingerprint)] = factory()
+        return store
+
+
+def drop_shared_stores() -> None:
+    """Close and forget every shared store (tests)."""
+    with _STORES_LOCK:
+        stores = list(_STORES.values())
+        _STORES.clear()
+    for store in stores:
+        try:
+            store.close()
+        except Exception:
+            pass
+
+
+# ---- geometry from vLLM's kv_cache_config ----------------------------------------------
+
+
+def group_specs(kv_cache_config, vllm_config) -> List[kvstride.GroupSpec]:
+    """One :class:`kvstride.GroupSpec` per vLLM KV-cache group, in group order."""
+    from vllm.v1 import kv_cache_interface as kci
+
+    mamba_mode = getattr(vllm_config.cache_config, "mamba_cache_mode", "none") or "none"
+    out = []
+    for g, group in enumerate(kv_cache_config.kv_cache_groups):
+        spec = group.kv_cache_spec
+        bs = int(spec.block_size)
+        heads = getattr(spec, "num_kv_heads", None)
+        if isinstance(spec, kci.CircularBufferSpec):
+            out.append(kvstride.GroupSpec("circular_buffer", bs))
+        elif isinstance(spec, kci.SlidingWindowSpec):  # incl. SlidingWindowMLASpec
+            out.append(kvstride.GroupSpec("sliding_window", bs, window=int(spec.sliding_window), num_kv_heads=heads))
+        elif isinstance(spec, kci.ChunkedLocalAttentionSpec):
+            out.append(kvstride.GroupSpec("chunked_local", bs, window=int(spec.attention_chunk_size), num_kv_heads=heads))
+        elif isinstance(spec, kci.MLAAttentionSpec):
+            out.append(kvstride.GroupSpec("mla", bs))
+        elif isinstance(spec, kci.FullAttentionSpec):
+            out.append(kvstride.GroupSpec("full_attention", bs, num_kv_heads=heads))
+        elif isinstance(spec, kci.MambaSpec):
+            out.append(kvstride.GroupSpec("mamba", bs, mamba_mode=mamba_mode))
+        else:
+            raise ValueError(
+                f"KV-cache group {g} has a {type(spec).__name__}, which kvstride cannot offload; "
+                "supported: full attention, MLA, sliding window, chunked local, Mamba, circular buffer"
+            )
+    return out
+
+
+def _fingerprint(vllm_config, kv_cache_config, groups) -> str:
+    """16 hex chars describing everything a stored block's bytes depend on."""
+    model = vllm_config.model_config
+    cache = vllm_config.cache_config
+    desc = {
+        "model": str(getattr(model, "model", "")),
+        "dtype": str(getattr(model, "dtype", "")),
+        "kv_dtype": str(getattr(cache, "cache_dtype", "")),
+        "hash": str(getattr(cache, "prefix_caching_hash_algo", "")),
+        "groups": [
+            [type(g.kv_cache_spec).__name__, repr(spec_g), int(getattr(g.kv_cache_spec, "page_size_bytes", 0)), list(g.layer_names)]
+            for g, spec_g in zip(kv_cache_config.kv_cache_groups, groups)
+        ],
+        "layout": str(getattr(kv_cache_config, "kv_cache_layout", "")),
+    }
+    return kvstride.layout_fingerprint(desc)
+
+
+# ---- metadata ----------------------------------------------------------------------------
+
+
+@dataclass
+class KVStrideMetadata(KVConnectorMetadata):
+    loads: List[LoadRequest] = field(default_factory=list)
+    saves: List[SaveRequest] = field(default_factory=list)
+    preempted: List[str] = field(default_factory=list)
+
+
+@dataclass
+class _SchedReq:
+    request: Any
+    block_ids: List[List[int]] = field(default_factory=list)
+    saving: bool = False
+
+
+class KVStrideConnector(KVConnectorBase_V1, SupportsHMA):
+    """A vLLM KV connector over :class:`OffloadEngine` (see the module docstring)."""
+
+    def __init__(self, vllm_config, role: KVConnectorRole, kv_cache_config=None) -> None:
+        super().__init__(vllm_config, role, kv_cache_config)
+        if kv_cache_config is None:
+            raise ValueError("KVStrideConnector needs vLLM's kv_cache_config (vLLM >= 0.32)")
+        extra = dict(self._kv_transfer_config.kv_connector_extra_config or {})
+        self._extra = extra
+        groups = group_specs(kv_cache_config, vllm_config)
+        self.groups = groups
+        S, H = kvstride.resolve_block_sizes(groups)
+        vllm_h = getattr(kv_cache_config, "hash_block_size", None)
+        if vllm_h is not None and int(vllm_h) != H:
+            raise ValueError(
+                f"vLLM hashes blocks of {vllm_h} tokens but kvstride resolves H={H} for groups "
+                f"{[(g.kind, g.block_size) for g in groups]}; the request block hashes would not line up"
+            )
+        fp = _fingerprint(vllm_config, kv_cache_config, groups)
+        self.fingerprint = fp
+        pc = vllm_config.parallel_config
+        namespace = kvstride.Namespace(
+            str(extra.get("model_id") or vllm_config.model_config.model),
+            cache_prefix=extra.get("cache_prefix"),
+            fingerprint=fp,
+            tp_rank=int(getattr(pc, "rank", 0) or 0) % max(1, int(getattr(pc, "tensor_parallel_size", 1) or 1)),
+        )
+        self.planner = kvstride.KeyPlanner(groups, hash_block_size=H, scheduler_block_size=S, namespace=namespace)
+        self.store = self._make_store(extra, bytes.fromhex(fp))
+        self.engine: Optional[OffloadEngine] = None
+        # scheduler side
+        self._sreqs: Dict[str, _SchedReq] = {}
+        self._local: Dict[str, int] = {}
+        self._pending_loads: Dict[str, LoadRequest] = {}
+        self._preempted: List[str] = []
+        # worker side
+        self._saving: set = set()  # req ids with a save submitted since they (re)started
+        self._finishing: set = set()
+        self._load_errors: set = set()
+        self.matched_tokens = 0  # external tokens reported to vLLM (scheduler side)
+        if role == KVConnectorRole.SCHEDULER:
+            # Lookups need only the planner and the store: no KV tensors on this side.
+            self.engine = OffloadEngine(
+                self.planner, types.SimpleNamespace(pool=None, layout=None), self.store, name="kvstride-sched"
+            )
+
+    # ---- shared ----------------------------------------------------------------------------
+
+    @staticmethod
+    def _make_store(extra: dict, fingerprint: bytes) -> KVStore:
+        kind = str(extra.get("store", "embedded"))
+        name = str(extra.get("store_name", "default"))
+        if kind == "embedded":
+            capacity = int(extra.get("store_bytes", 1 << 30))
+            return shared_store(name, fingerprint, lambda: EmbeddedStore(capacity, fingerprint=fingerprint))
+        if kind == "mooncake":
+            from kvstride.stores import MooncakeStore
+
+            master = extra.get("mooncake_master")
+            if not master:
+                raise ValueError("store 'mooncake' needs kv_connector_extra_config['mooncake_master'] = 'host:port'")
+            return shared_store(
+                f"mooncake:{master}:{name}", fingerprint, lambda: MooncakeStore(str(master), fingerprint=fingerprint)
+            )
+        raise ValueError(f"unknown kvstride store {kind!r}; use 'embedded' or 'mooncake'")
+
+    def shutdown(self) -> None:
+        engine, self.engine = self.engine, None
+        if engine is not None:
+            try:
+                engine.shutdown()
+            except Exception as err:
+                log.warning("kvstride engine shutdown failed: %r", err)
+
+    # ---- scheduler side ------------------------------------------------------------------
+
+    def get_num_new_matched_tokens(self, request, num_computed_tokens: int):
+        try:
+            rid = request.request_id
+            # At least the last prompt token must be computed by vLLM.
+            limit = int(request.num_tokens) - 1
+            if self.engine is None or limit <= num_computed_tokens:
+                return 0, False
+            hit = self.engine.lookup([(rid, list(request.block_hashes), limit)])[rid]
+            ext = max(0, int(hit) - int(num_computed_tokens))
+            if ext:
+                self._local[rid] = int(num_computed_tokens)
+                self.matched_tokens += ext
+            return ext, False
+        except Exception as err:  # never into vLLM's step: a miss
+            log.warning("kvstride lookup failed, treating as a miss: %r", err)
+            return 0, False
+
+    def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
+        try:
+            rid = request.request_id
+            local = self._local.pop(rid, 0)
+            if num_external_tokens <= 0:
+                return
+            block_ids = [list(ids) for ids in blocks.get_block_ids()]
+            self._pending_loads[rid] = LoadRequest(
+                rid, list(request.block_hashes), block_ids, hit_tokens=local + int(num_external_tokens), local_tokens=local
+            )
+        except Exception as err:
+            log.warning("kvstride update_state_after_alloc failed: %r", err)
+
+    def on_new_request(self, request) -> None:
+        self._sreqs[request.request_id] = _SchedReq(request)
+
+    def build_connector_meta(self, scheduler_output) -> KVStrideMetadata:
+        meta = KVStrideMetadata(loads=list(self._pending_loads.values()))
+        self._pending_loads.clear()
+        try:
+            self._build_saves(scheduler_output, meta)
+        except Exception as err:  # saves are best effort; loads must go out
+            log.warning("kvstride: this step's saves were skipped: %r", err)
+            meta.saves = []
+        return meta
+
+    def _build_saves(self, so, meta: KVStrideMetadata) -> None:
+        for rid in so.preempted_req_ids or ():
+            st = self._sreqs.get(rid)
+            if st is not None:  # the worker drains its saves now (handle_preemptions)
+                st.block_ids = []
+                st.saving = False
+            meta.preempted.append(rid)
+        computed: Dict[str, int] = {}
+        for new in so.scheduled_new_reqs:
+            st = self._sreqs.get(new.req_id)
+            if st is None:
+                continue
+            st.block_ids = [list(ids) for ids in new.block_ids]
+            computed[new.req_id] = int(new.num_computed_tokens)
+        cached = so.scheduled_cached_reqs
+        resumed = getattr(cached, "resumed_req_ids", set()) or set()
+        for i, rid in enumerate(cached.req_ids):
+            st = self._sreqs.get(rid)
+            if st is None:
+                continue
+            new_ids = cached.new_block_ids[i]
+            if rid in resumed:
+                st.block_ids = [list(ids) for ids in (new_ids or ())]
+            elif new_ids:
+                if not st.block_ids:
+                    st.block_ids = [[] for _ in new_ids]
+                for g, ids in enumerate(new_ids):
+                    st.block_ids[g].extend(ids)
+            computed[rid] = int(cached.num_computed_tokens[i])
+        for rid, n in so.num_scheduled_tokens.items():
+            st = self._sreqs.get(rid)
+            if st is None or rid not in computed or not st.block_ids:
+                continue
+            hashes = list(st.request.block_hashes)
+            if not hashes:
+                continue
+            meta.saves.append(SaveRequest(rid, hashes, [list(ids) for ids in st.block_ids], computed[rid] + int(n)))
+            st.saving = True
+
+    def request_finished_all_groups(self, request, block_ids) -> Tuple[bool, Optional[dict]]:
+        rid = request.request_id
+        self._local.pop(rid, None)
+        self._pending_loads.pop(rid, None)
+        st = self._sreqs.pop(rid, None)
+        return bool(st is not None and st.saving), None
+
+    def request_finished(self, request, block_ids) -> Tuple[bool, Optional[dict]]:
+        return self.request_finished_all_groups(request, (block_ids,))
+
+    # ---- worker side -----------------------------------------------------------------------
+
+    def register_kv_caches(self, kv_caches) -> None:
+        cfg = self._kv_cache_config
+        layout = KVLayout(kv_caches, [list(g.layer_names) for g in cfg.kv_cache_groups], num_blocks=int(cfg.num_blocks))
+        pool = StagingPool(int(self._extra.get("staging_bytes", 64 << 20)))
+        try:
+            pool.register(self.store.register_buffer)
+        except Exception as err:
+            raise RuntimeError(f"kvstride: the store refused the staging buffer: {err!r}") from err
+        self.engine = OffloadEngine(self.planner, Transfer(layout, pool), self.store, name="kvstride-worker")
+
+    def _wait(self, pred) -> bool:
+        deadline = time.monotonic() + WAIT_TIMEOUT_S
+        while not pred():
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.0002)
+        return True
+
+    def start_load_kv(self, forward_context, **kwargs) -> None:
+        try:
+            meta = self._get_connector_metadata()
+        except Exception:
+            return
+        if not isinstance(meta, KVStrideMetadata) or not meta.loads:
+            return
+        loads = meta.loads
+        try:
+            if self.engine is None:
+                raise RuntimeError("no KV caches registered")
+            self.engine.submit(loads=loads)
+            want = {load.req_id for load in loads}
+            done: set = set()
+
+            def finished() -> bool:
+                got = self.engine.get_finished()
+                done.update(got.loads_done)
+                for blocks in got.loads_failed.values():
+                    self._load_errors.update(int(b) for _, b in blocks)
+                # saves_done / saves_failed: the worker drains saves itself (get_finished)
+                return want <= done
+
+            if not self._wait(finished):
+                raise TimeoutError(f"loads of {sorted(want - done)} did not finish in {WAIT_TIMEOUT_S}s")
+        except Exception as err:  # every block of these loads is recomputed
+            log.warning("kvstride load failed, its blocks are recomputed: %r", err)
+            for load in loads:
+                for table in load.block_ids:
+                    self._load_errors.update(int(b) for b in table if b)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return
+
+    def save_kv_layer(self, layer_name: str, kv_layer, attn_metadata, **kwargs) -> None:
+        return  # whole blocks are saved after the forward (wait_for_save)
+
+    def wait_for_save(self) -> None:
+        try:
+            meta = self._get_connector_metadata()
+            if not isinstance(meta, KVStrideMetadata) or not meta.saves:
+                return
+            # First: the scheduler keeps these requests' blocks until get_finished names them.
+            self._saving.update(save.req_id for save in meta.saves)
+            if self.engine is None:
+                raise RuntimeError("no KV caches registered")
+            self.engine.submit(saves=meta.saves)
+        except Exception as err:
+            log.warning("kvstride: this step's saves were skipped: %r", err)
+
+    def _drain_saves(self, req_ids) -> None:
+        """Wait until every queued job ran (so no save reads these requests' blocks again)."""
+        if self.engine is None:
+            return
+        if not self.engine.wait_idle(WAIT_TIMEOUT_S):
+            log.warning("kvstride: saves still running after %ss; releasing blocks anyway", WAIT_TIMEOUT_S)
+        self.engine.get_finished()  # loads are collected by start_load_kv, saves need no report
+        for rid in req_ids:
+            self.engine.finish_request(rid)
+            self._saving.discard(rid)
+
+    def handle_preemptions(self, kv_connector_metadata) -> None:
+        try:
+            pre = [r for r in getattr(kv_connector_metadata, "preempted", ()) if r in self._saving]
+            if pre:
+                self._drain_saves(pre)
+        except Exception as err:
+            log.warning("kvstride handle_preemptions failed: %r", err)
+
+    def get_finished(self, finished_req_ids):
+        try:
+            self._finishing.update(r for r in finished_req_ids if r in self._saving)
+            if not self._finishing:
+                return None, None
+            done, self._finishing = set(self._finishing), set()
+            self._drain_saves(done)
+            return done, None
+        except Exception as err:
+            log.warning("kvstride get_finished failed: %r", err)
+            done, self._finishing = set(self._finishing), set()
+            return done or None, None
+
+    def get_block_ids_with_load_errors(self) -> set:
+        errors, self._load_errors = self._load_errors, set()
+        return errors
