@@ -70,11 +70,26 @@ def _gemma3(path) -> str:
     return _write_model(path, cfg)
 
 
+def _qwen3_next(path) -> str:
+    """3 Gated-DeltaNet (Mamba-style, linear head dim 64) layers + 1 full-attention layer."""
+    from transformers import Qwen3NextConfig
+
+    cfg = Qwen3NextConfig(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=2,
+        num_key_value_heads=2, head_dim=32, vocab_size=512, max_position_embeddings=2048,
+        linear_num_value_heads=2, linear_num_key_heads=2, linear_key_head_dim=64, linear_value_head_dim=64,
+        linear_conv_kernel_dim=4, full_attention_interval=4, num_experts=4, num_experts_per_tok=2,
+        moe_intermediate_size=64, shared_expert_intermediate_size=64, decoder_sparse_step=1,
+        bos_token_id=1, eos_token_id=2, tie_word_embeddings=False,
+    )
+    cfg.architectures = ["Qwen3NextForCausalLM"]
+    return _write_model(path, cfg)
+
+
 MODELS = {"llama": _llama, "gemma3": _gemma3}
 
 
-def _engine(model: str, connector_store=None) -> LLM:
-    kw = {}
+def _engine(model: str, connector_store=None, **kw) -> LLM:
     if connector_store is not None:
         kw["kv_transfer_config"] = KVTransferConfig(
             kv_connector="KVStrideConnector",
@@ -85,8 +100,8 @@ def _engine(model: str, connector_store=None) -> LLM:
         )
     return LLM(
         model=model, load_format="safetensors", skip_tokenizer_init=True, enforce_eager=True,
-        max_model_len=1024, block_size=BLOCK, kv_cache_memory_bytes=32 << 20, seed=0,
-        distributed_executor_backend="uni", **kw,
+        max_model_len=1024, block_size=BLOCK, seed=0,
+        distributed_executor_backend="uni", **{"kv_cache_memory_bytes": 32 << 20, **kw},
     )
 
 
@@ -185,6 +200,47 @@ def test_failed_load_is_recomputed(tmp_path, failure, monkeypatch):
         sched, _ = _connectors(consumer)
         assert sched.matched_tokens > 0
         assert reported, "the failed blocks were not reported to vLLM"
+        assert got == expected
+        _close(consumer)
+    finally:
+        kv_vllm.drop_shared_stores()
+
+
+def test_mamba_boundary_state_from_store(tmp_path, monkeypatch):
+    """A hybrid Gated-DeltaNet model with prefix caching in Mamba ``align`` mode: the GDN
+    groups' state is stored only from vLLM's boundary-state hand-offs
+    (``kv_connector_block_state.boundary_state_offloads``), so engine 2's prefix hit (which
+    every group must serve) includes the linear-attention state loaded from the store."""
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    model = _qwen3_next(tmp_path / "qwen3_next")
+    kw = dict(enable_prefix_caching=True, mamba_cache_mode="align", kv_cache_memory_bytes=64 << 20)
+    prompt = [(7 * i + 3) % 500 + 3 for i in range(400)]  # vLLM forces block 160: 2 blocks + 80
+    longer = prompt + [11, 22, 33, 44, 55]
+
+    plain = _engine(model, **kw)
+    expected_first, expected = _run(plain, prompt), _run(plain, longer)
+    _close(plain)
+
+    store_name = f"test-mamba-{os.getpid()}"
+    try:
+        producer = _engine(model, store_name, **kw)
+        assert _run(producer, prompt) == expected_first
+        sched, worker = _connectors(producer)
+        kinds = [g.kind for g in sched.groups]
+        assert kinds.count("mamba") == 3 and "full_attention" in kinds, kinds
+        block = sched.groups[0].block_size
+        counters = dict(worker.engine.counters)
+        assert counters.get("tail_planned", 0) > 0, counters  # hand-offs reached the planner
+        _close(producer)
+
+        consumer = _engine(model, store_name, **kw)
+        got = _run(consumer, longer)
+        sched, worker = _connectors(consumer)
+        counters = dict(worker.engine.counters)
+        # The hit (every group, the GDN state included) covers the prompt's full blocks.
+        assert sched.matched_tokens == (len(prompt) // block) * block, (sched.matched_tokens, counters)
+        n_blocks = len(prompt) // block
+        assert counters.get("get_ok", 0) == n_blocks + 3 and not counters.get("loads_failed"), counters
         assert got == expected
         _close(consumer)
     finally:

@@ -32,8 +32,16 @@ Configuration that cannot work raises at construction.
 Limits: the embedded store is per process, so the scheduler and the worker must share one
 (``distributed_executor_backend="uni"``); use Mooncake otherwise. vLLM's block hashes start
 from a seed that is random per process unless ``PYTHONHASHSEED`` is set: two processes share
-hits only when it is. Loads are synchronous; partial-tail hand-offs
-(``register_finished_partial_tail``) are not taken yet.
+hits only when it is. Loads are synchronous.
+
+Mamba ``align`` boundary states: vLLM hands them over as ``(group, block_id, boundary)``
+tuples (``scheduler_output.kv_connector_block_state.boundary_state_offloads`` each step, and
+``register_finished_partial_tail`` at a request's end); they go to the engine unchanged as
+``SaveRequest.handoffs``, one save per boundary. Hand-offs of requests finished or preempted in
+that step are dropped. A step whose saves carry hand-offs waits for them in ``wait_for_save``
+(vLLM does not keep those blocks for the request). vLLM 0.32 cannot take block-level load
+failures for models with several KV-cache groups (it raises in ``_handle_invalid_blocks``), so
+a failed load on such a model stops the engine.
 """
 
 from __future__ import annotations
@@ -196,6 +204,7 @@ class KVStrideConnector(KVConnectorBase_V1, SupportsHMA):
         self._local: Dict[str, int] = {}
         self._pending_loads: Dict[str, LoadRequest] = {}
         self._preempted: List[str] = []
+        self._finished_tails: Dict[str, tuple] = {}  # req id -> (hashes, tables, hand-offs)
         # worker side
         self._saving: set = set()  # req ids with a save submitted since they (re)started
         self._finishing: set = set()
@@ -309,6 +318,7 @@ class KVStrideConnector(KVConnectorBase_V1, SupportsHMA):
                 for g, ids in enumerate(new_ids):
                     st.block_ids[g].extend(ids)
             computed[rid] = int(cached.num_computed_tokens[i])
+        handoffs = self._boundary_handoffs(so)
         for rid, n in so.num_scheduled_tokens.items():
             st = self._sreqs.get(rid)
             if st is None or rid not in computed or not st.block_ids:
@@ -316,8 +326,69 @@ class KVStrideConnector(KVConnectorBase_V1, SupportsHMA):
             hashes = list(st.request.block_hashes)
             if not hashes:
                 continue
-            meta.saves.append(SaveRequest(rid, hashes, [list(ids) for ids in st.block_ids], computed[rid] + int(n)))
+            tables = [list(ids) for ids in st.block_ids]
+            by_boundary = handoffs.pop(rid, [])
+            first = by_boundary[0] if by_boundary else ()
+            meta.saves.append(SaveRequest(rid, hashes, tables, computed[rid] + int(n), handoffs=first))
+            # vLLM may hand off several boundaries in one step; the planner takes one per save.
+            for entries in by_boundary[1:]:
+                meta.saves.append(SaveRequest(rid, hashes, tables, computed[rid] + int(n), handoffs=entries))
             st.saving = True
+        # Hand-offs of requests not scheduled this step: their own saves, on vLLM's block tables.
+        block_state = getattr(so, "kv_connector_block_state", None)
+        for rid, by_boundary in handoffs.items():
+            st = self._sreqs.get(rid)
+            tables = block_state.get_block_ids(rid) if block_state is not None else None
+            if st is None or tables is None or not st.request.block_hashes:
+                continue
+            hashes = list(st.request.block_hashes)
+            tables = [list(ids) for ids in tables]
+            for entries in by_boundary:
+                meta.saves.append(SaveRequest(rid, hashes, tables, int(entries[0][2]), handoffs=entries))
+            st.saving = True
+        for rid, entries in self._finished_tails.items():
+            st_hashes, tables = entries[0], entries[1]
+            for group in self._split_by_boundary(entries[2]):
+                meta.saves.append(SaveRequest(rid, st_hashes, tables, int(group[0][2]), handoffs=group))
+        self._finished_tails.clear()
+
+    @staticmethod
+    def _split_by_boundary(entries) -> List[List[Tuple[int, int, int]]]:
+        """vLLM's ``(group, block_id, boundary)`` hand-offs, one list per boundary (in order)."""
+        out: Dict[int, List[Tuple[int, int, int]]] = {}
+        for g, b, boundary in entries:
+            out.setdefault(int(boundary), []).append((int(g), int(b), int(boundary)))
+        return [out[k] for k in sorted(out)]
+
+    def _boundary_handoffs(self, so) -> Dict[str, List[List[Tuple[int, int, int]]]]:
+        """This step's Mamba ``align`` boundary-state hand-offs (vLLM's
+        ``kv_connector_block_state.boundary_state_offloads``), per request and boundary. Those of
+        requests finished or preempted in this step are dropped: their blocks may be reused."""
+        block_state = getattr(so, "kv_connector_block_state", None)
+        offloads = getattr(block_state, "boundary_state_offloads", None) or {}
+        gone = set(so.preempted_req_ids or ()) | set(getattr(so, "finished_req_ids", ()) or ())
+        out = {}
+        for rid, entries in offloads.items():
+            if rid in gone or rid not in self._sreqs or not entries:
+                continue
+            out[rid] = self._split_by_boundary(entries)
+        return out
+
+    def register_finished_partial_tail(self, request, block_ids, partial_tail_offloads) -> bool:
+        """A finished request's boundary states (vLLM keeps its blocks while this returns True,
+        until the worker's ``get_finished`` names the request)."""
+        try:
+            rid = request.request_id
+            st = self._sreqs.get(rid)
+            hashes = list(request.block_hashes)
+            if st is None or not partial_tail_offloads or not hashes:
+                return False
+            self._finished_tails[rid] = (hashes, [list(ids) for ids in block_ids], list(partial_tail_offloads))
+            st.saving = True
+            return True
+        except Exception as err:
+            log.warning("kvstride register_finished_partial_tail failed: %r", err)
+            return False
 
     def request_finished_all_groups(self, request, block_ids) -> Tuple[bool, Optional[dict]]:
         rid = request.request_id
@@ -396,6 +467,11 @@ class KVStrideConnector(KVConnectorBase_V1, SupportsHMA):
             if self.engine is None:
                 raise RuntimeError("no KV caches registered")
             self.engine.submit(saves=meta.saves)
+            if any(save.handoffs for save in meta.saves):
+                # vLLM does not keep a hand-off's block for the request (Mamba align frees
+                # skipped states): read it before the next forward can reuse it.
+                if not self.engine.wait_idle(WAIT_TIMEOUT_S):
+                    log.warning("kvstride: boundary-state saves still running after %ss", WAIT_TIMEOUT_S)
         except Exception as err:
             log.warning("kvstride: this step's saves were skipped: %r", err)
 
