@@ -1,13 +1,15 @@
 """The request-level offload engine: lookups, saves, partial tails and loads, executed through
-the data plane on a background worker.
+the data plane on two background lanes (loads, saves).
 
 It knows nothing about vLLM's classes. A driver (the vLLM connector, or ``kvstride simulate``)
 calls, per engine step:
 
 - ``lookup(requests)`` on the scheduler side: one existence call for the whole batch of new
   requests, then each request's longest joint hit from the core;
-- ``submit(saves, loads)``: queue the step's work; the worker plans it with the core (which
-  keys, which blocks), executes loads first, then saves, and
+- ``submit(saves, loads)``: one step's work. Saves are planned with the core (which keys,
+  which blocks) and copied out of the KV cache before it returns, their puts run on the save
+  lane; loads run on the load lane, never behind a save;
+- ``pending(req_id)``: jobs of a request not finished yet (its blocks are still in use), and
 - ``get_finished()``: which loads and saves completed, and the block ids whose load failed
   (the driver recomputes them).
 
@@ -69,22 +71,36 @@ class Finished:
 
 
 class _RequestState:
-    """A request's saved offset. A job captures the object at submit time, so a save that
-    completes after ``finish_request`` updates a detached object (never a later request that
-    reuses the id, and never a leaked entry)."""
+    """A request's saved offsets: ``offset`` is confirmed (every put below it succeeded),
+    ``planned`` is where the next save plan starts (puts in flight included). A job captures
+    the object at submit time, so a save that completes after ``finish_request`` updates a
+    detached object (never a later request that reuses the id, and never a leaked entry)."""
 
-    __slots__ = ("offset",)
+    __slots__ = ("offset", "planned")
 
     def __init__(self) -> None:
         self.offset = 0
+        self.planned = 0
 
 
 @dataclass
-class _Job:
+class _LoadJob:
+    step: int
+    loads: List[LoadRequest]
+
+
+@dataclass
+class _SaveJob:
+    """A step's saves, planned and already copied out of the KV cache: only store puts are
+    left, so the blocks may be freed or reused as soon as ``submit`` returns."""
+
     step: int
     saves: List[SaveRequest]
-    loads: List[LoadRequest]
-    states: List[_RequestState] = field(default_factory=list)  # one per save
+    states: List[_RequestState]  # one per save
+    ends: List[int]  # the save end of each save
+    batches: list  # [(entries [(key, group, block_id)], StagedBatch, Fence of its gather)]
+    owners: Dict[str, List[str]]  # key -> req ids waiting for it
+    failed: set  # req ids that already failed while planning or staging
 
 
 _STOP = object()
@@ -122,11 +138,19 @@ class OffloadEngine:
         self._idle = threading.Condition(self._lock)  # lookups in flight reach 0
         self._lookups_in_flight = 0
         self._logged: set = set()
-        self._queue: "queue.Queue" = queue.Queue()
+        # Two lanes: a load never waits behind saves, a save never behind loads.
+        self._load_queue: "queue.Queue" = queue.Queue()
+        self._save_queue: "queue.Queue" = queue.Queue()
+        self._pending: collections.Counter = collections.Counter()  # req id -> jobs not done
+        self._pool_freed = threading.Condition(self._lock)  # a save job released staging
         self._step = 0
         self._closed = False
-        self._worker = threading.Thread(target=self._run, name=name, daemon=True)
-        self._worker.start()
+        self._workers = [
+            threading.Thread(target=self._run, args=(q,), name=f"{name}-{lane}", daemon=True)
+            for lane, q in (("load", self._load_queue), ("save", self._save_queue))
+        ]
+        for worker in self._workers:
+            worker.start()
 
     # ---- bookkeeping ---------------------------------------------------------------------
 
@@ -150,6 +174,12 @@ class OffloadEngine:
         with self._lock:
             state = self._requests.get(req_id)
             return state.offset if state is not None else 0
+
+    def pending(self, req_id: str) -> int:
+        """Load and save jobs of ``req_id`` submitted and not finished yet: while it is not 0,
+        the request's blocks may still be read or written."""
+        with self._lock:
+            return self._pending.get(req_id, 0)
 
     def finish_request(self, req_id: str) -> None:
         """Forget a finished or preempted request (its next save starts from 0). Save jobs of
@@ -228,8 +258,14 @@ class OffloadEngine:
     # ---- worker side ---------------------------------------------------------------------
 
     def submit(self, saves: Sequence[SaveRequest] = (), loads: Sequence[LoadRequest] = ()) -> int:
-        """Queue one step's loads and saves; returns the step number. After ``shutdown`` the
-        work is refused: loads are reported failed, saves not done."""
+        """Queue one step's loads and saves; returns the step number.
+
+        Saves are planned and their blocks copied out of the KV cache before this returns
+        (only the store puts run later, on the save lane), so the caller may free or reuse the
+        blocks right after: vLLM guarantees a hand-off block, or a block that leaves a sliding
+        window, only until the end of the step that offered it. Loads run on the load lane and
+        write only their destination blocks. After ``shutdown`` the work is refused: loads are
+        reported failed, saves not done."""
         saves, loads = list(saves), list(loads)
         with self._lock:  # the closed check and the enqueue are one step: no job is lost
             self._step += 1
@@ -243,9 +279,45 @@ class OffloadEngine:
                     self._finished.saves_done.add(save.req_id)
                     self._finished.saves_failed.add(save.req_id)
                 return step
+            if loads:
+                self._enqueue(self._load_queue, _LoadJob(step, loads), [l.req_id for l in loads])
+            if not saves:
+                return step
             states = [self._requests.setdefault(save.req_id, _RequestState()) for save in saves]
-            self._queue.put(_Job(step, saves, loads, states))
+            # Counted before staging, so a request never looks idle while its blocks are read.
+            for rid in {save.req_id for save in saves}:
+                self._pending[rid] += 1
+        job = _SaveJob(step, saves, states, [0] * len(saves), [], {}, set())
+        try:
+            self._stage_saves(job)
+        except Exception as err:  # never into the driver: fail these saves, keep going
+            self._log_once("save-bug", "save job of step %d failed: %r", step, err)
+            self._count("save_job_errors")
+            self._release(job)
+            self._finish_saves(job, failed_all=True)
+            return step
+        with self._lock:
+            if self._closed:  # shut down while staging: nothing may reach the store now
+                self.counters["refused_after_shutdown"] += len(saves)
+                self._release(job)
+                self._finish_saves(job, failed_all=True)
+                return step
+            self._save_queue.put(job)
         return step
+
+    def _enqueue(self, lane: "queue.Queue", job, req_ids) -> None:
+        for rid in set(req_ids):
+            self._pending[rid] += 1
+        lane.put(job)
+
+    def _done(self, req_ids) -> None:
+        """(under the lock) One job of each of ``req_ids`` finished."""
+        for rid in set(req_ids):
+            left = self._pending[rid] - 1
+            if left > 0:
+                self._pending[rid] = left
+            else:
+                self._pending.pop(rid, None)
 
     def get_finished(self) -> Finished:
         with self._lock:
@@ -255,22 +327,22 @@ class OffloadEngine:
     def wait_idle(self, timeout: Optional[float] = None) -> bool:
         """Block until every submitted job ran; False on timeout."""
         deadline = None if timeout is None else time.monotonic() + timeout
-        while self._queue.unfinished_tasks:
+        while self._load_queue.unfinished_tasks or self._save_queue.unfinished_tasks:
             if deadline is not None and time.monotonic() > deadline:
                 return False
-            time.sleep(0.001)
+            time.sleep(0.0005)
         return True
 
     def shutdown(self, timeout: Optional[float] = 60.0) -> bool:
-        """Run every queued job, then stop the worker. The store stays open (its owner closes
-        it) and is never called again by this engine. True when the worker drained in time."""
+        """Run every queued job, then stop the lanes. The store stays open (its owner closes
+        it) and is never called again by this engine. True when both lanes drained in time."""
         with self._lock:
-            if self._closed:
-                already = True
-            else:
-                already = False
+            already = self._closed
+            if not already:
                 self._closed = True
-                self._queue.put(_STOP)
+                self._load_queue.put(_STOP)
+                self._save_queue.put(_STOP)
+                self._pool_freed.notify_all()
             deadline = None if timeout is None else time.monotonic() + timeout
             while self._lookups_in_flight:
                 left = None if deadline is None else deadline - time.monotonic()
@@ -278,26 +350,29 @@ class OffloadEngine:
                     break
                 self._idle.wait(left)
         if not already:
-            self._worker.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
-        return not self._worker.is_alive() and not self._lookups_in_flight
+            for worker in self._workers:
+                worker.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
+        return not any(w.is_alive() for w in self._workers) and not self._lookups_in_flight
 
-    def _run(self) -> None:
+    def _run(self, lane: "queue.Queue") -> None:
         while True:
-            job = self._queue.get()
+            job = lane.get()
             try:
                 if job is _STOP:
                     return
-                self._execute(job)
-            except Exception as err:  # the job's own error reporting failed: keep the worker
+                if isinstance(job, _LoadJob):
+                    self._execute_load(job)
+                else:
+                    self._execute_save(job)
+            except Exception as err:  # the job's own error reporting failed: keep the lane
                 self._log_once("worker-bug", "job of step %d could not be reported: %r", job.step, err)
                 self._count("worker_errors")
             finally:
-                self._queue.task_done()
+                lane.task_done()
 
-    def _execute(self, job: _Job) -> None:
+    def _execute_load(self, job: _LoadJob) -> None:
         try:
-            if job.loads:
-                self._load(job.loads)
+            self._load(job.loads)
         except Exception as err:  # never into the driver: fail the loads, keep going
             self._log_once("load-bug", "load job of step %d failed: %r", job.step, err)
             self._count("load_job_errors")
@@ -305,16 +380,20 @@ class OffloadEngine:
                 for load in job.loads:
                     self._finished.loads_done.add(load.req_id)
                     self._finished.loads_failed[load.req_id] = self._all_blocks(load)
+        finally:
+            with self._lock:
+                self._done(load.req_id for load in job.loads)
+
+    def _execute_save(self, job: _SaveJob) -> None:
         try:
-            if job.saves:
-                self._save(job.saves, job.states)
+            self._put(job)
         except Exception as err:
             self._log_once("save-bug", "save job of step %d failed: %r", job.step, err)
             self._count("save_job_errors")
-            with self._lock:
-                for save in job.saves:
-                    self._finished.saves_done.add(save.req_id)
-                    self._finished.saves_failed.add(save.req_id)
+            job.failed.update(save.req_id for save in job.saves)
+        finally:
+            self._release(job)
+            self._finish_saves(job)
 
     @staticmethod
     def _all_blocks(load: LoadRequest) -> set:
@@ -327,14 +406,25 @@ class OffloadEngine:
         groups = self.transfer.layout.groups
         return 0 <= group < len(groups) and 0 < block_id < groups[group].num_blocks
 
-    # Stage, copy and store / load entries in pool-sized batches.
-    def _batches(self, entries: List[Tuple[str, int, int]]):
+    def _stage_or_wait(self, blocks, wait: bool):
+        """Staging room for ``blocks``; while the save lane still holds room, wait for it to
+        release some (``wait``), else None."""
+        while True:
+            batch = self.transfer.stage(blocks)
+            if batch is not None or not wait:
+                return batch
+            with self._lock:
+                if self._closed or not self._save_queue.unfinished_tasks:
+                    return None
+                self._pool_freed.wait(0.05)
+
+    def _batches(self, entries: List[Tuple[str, int, int]], *, wait: bool = False):
         """Split ``(key, group, block_id)`` entries into runs that fit the staging pool."""
         start = 0
         while start < len(entries):
             end = len(entries)
             while True:
-                batch = self.transfer.stage([(g, b) for _, g, b in entries[start:end]])
+                batch = self._stage_or_wait([(g, b) for _, g, b in entries[start:end]], wait)
                 if batch is not None:
                     break
                 if end - start == 1:
@@ -345,21 +435,18 @@ class OffloadEngine:
             yield entries[start:end], batch
             start = end
 
-    def _save(self, saves: List[SaveRequest], states: Optional[List[_RequestState]] = None) -> None:
+    def _stage_saves(self, job: _SaveJob) -> None:
+        """Plan ``job``'s saves with the core, drop keys the store has (one existence call),
+        and copy the remaining blocks into staging."""
         start_time = time.perf_counter()
         planner = self.planner
-        if states is None:
-            with self._lock:
-                states = [self._requests.setdefault(s.req_id, _RequestState()) for s in saves]
-        owners: Dict[str, List[str]] = {}  # key -> req ids waiting for it
         entries: List[Tuple[str, int, int]] = []
-        ends: Dict[int, int] = {}  # index into saves -> end
-        failed: set = set()
-        for index, (save, state) in enumerate(zip(saves, states)):
+        owners = job.owners
+        for index, (save, state) in enumerate(zip(job.saves, job.states)):
             with self._lock:
-                offset = state.offset
+                offset = state.planned
             plan = planner.plan_save(save.block_hashes, save.block_ids, save.num_tokens, saved_offset=offset)
-            ends[index] = plan.end
+            job.ends[index] = plan.end
             puts = list(plan.puts)
             if save.handoffs:
                 tail = planner.plan_tail(save.block_hashes, save.block_ids, save.handoffs, saved_offset=offset)
@@ -376,28 +463,35 @@ class OffloadEngine:
                 if not self._in_layout(group, block_id):  # a table naming blocks we do not have
                     self._count("save_bad_block")
                     self._log_once("save-bad-block", "request %s: block %d of group %d is not in the KV cache", save.req_id, block_id, group)
-                    failed.add(save.req_id)
+                    job.failed.add(save.req_id)
                     continue
                 if key not in owners:
                     owners[key] = []
                     entries.append((key, group, block_id))
                 if save.req_id not in owners[key]:
                     owners[key].append(save.req_id)
+        with self._lock:
+            for save, state, end in zip(job.saves, job.states, job.ends):
+                if save.req_id not in job.failed:
+                    state.planned = max(state.planned, end)
         if entries:
             present = [bool(p) for p in self.store.exists([key for key, _, _ in entries])]
             if len(present) != len(entries):  # a short answer: put everything (puts are idempotent)
                 present = [False] * len(entries)
             self._count("put_skipped_present", sum(present))
             entries = [e for e, p in zip(entries, present) if not p]
-        for batch_entries, batch in self._batches(entries):
-            try:
-                self.transfer.gather(batch).wait()
-                keys = [key for key, _, _ in batch_entries]
-                put_start = time.perf_counter()
-                statuses = self._statuses(self.store.put(keys, batch.all_parts()), len(keys))
-                self._time("put", time.perf_counter() - put_start)
-            finally:
-                batch.release()
+        for batch_entries, batch in self._batches(entries, wait=True):
+            job.batches.append((batch_entries, batch, self.transfer.gather(batch)))
+        self._time("save_stage", time.perf_counter() - start_time)
+
+    def _put(self, job: _SaveJob) -> None:
+        for batch_entries, batch, fence in job.batches:
+            fence.wait()
+            keys = [key for key, _, _ in batch_entries]
+            put_start = time.perf_counter()
+            statuses = self._statuses(self.store.put(keys, batch.all_parts()), len(keys))
+            self._time("put", time.perf_counter() - put_start)
+            self._release_batch(batch)
             for (key, group, _), status in zip(batch_entries, statuses):
                 if status is Status.OK:
                     self._count("put_ok")
@@ -405,17 +499,29 @@ class OffloadEngine:
                 else:
                     self._count(f"put_{status.value}")
                     self._log_once(f"put-{status.value}", "store put failed (%s); first key %s", status.value, key)
-                    failed.update(owners[key])
+                    job.failed.update(job.owners[key])
+
+    def _release_batch(self, batch) -> None:
+        batch.release()
         with self._lock:
-            for index, (save, state) in enumerate(zip(saves, states)):
+            self._pool_freed.notify_all()
+
+    def _release(self, job: _SaveJob) -> None:
+        for _, batch, _ in job.batches:
+            self._release_batch(batch)
+
+    def _finish_saves(self, job: _SaveJob, failed_all: bool = False) -> None:
+        with self._lock:
+            for save, state, end in zip(job.saves, job.states, job.ends):
                 self._finished.saves_done.add(save.req_id)
-                if save.req_id in failed:
+                if failed_all or save.req_id in job.failed:
                     self._finished.saves_failed.add(save.req_id)
                     self.counters["saves_failed"] += 1
+                    state.planned = state.offset  # the next save retries from what is stored
                 else:
-                    state.offset = max(state.offset, ends[index])
+                    state.offset = max(state.offset, end)
                     self.counters["saves_ok"] += 1
-        self._time("save_job", time.perf_counter() - start_time)
+            self._done(save.req_id for save in job.saves)
 
     def _load(self, loads: List[LoadRequest]) -> None:
         start_time = time.perf_counter()
@@ -460,6 +566,7 @@ class OffloadEngine:
                     self._log_once(f"get-{status.value}", "store get failed (%s); first key %s", status.value, key)
                     failed.setdefault(req_id, set()).add((group, block_id))
             position += len(batch_entries)
+        aligned = self.planner.scheduler_block_size
         with self._lock:
             for load in loads:
                 self._finished.loads_done.add(load.req_id)
@@ -468,4 +575,9 @@ class OffloadEngine:
                     self._count("loads_failed")
                 else:
                     self._count("loads_ok")
+                    # The loaded prefix is in the store: this request's saves start after it.
+                    state = self._requests.setdefault(load.req_id, _RequestState())
+                    done_to = load.hit_tokens // aligned * aligned
+                    state.offset = max(state.offset, done_to)
+                    state.planned = max(state.planned, done_to)
         self._time("load_job", time.perf_counter() - start_time)

@@ -63,6 +63,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    KVConnectorTransferResults,
     SupportsHMA,
 )
 
@@ -160,13 +161,13 @@ class KVStrideMetadata(KVConnectorMetadata):
     loads: List[LoadRequest] = field(default_factory=list)
     saves: List[SaveRequest] = field(default_factory=list)
     preempted: List[str] = field(default_factory=list)
+    finished_tails: List[str] = field(default_factory=list)  # finished req ids saved this step
 
 
 @dataclass
 class _SchedReq:
     request: Any
     block_ids: List[List[int]] = field(default_factory=list)
-    saving: bool = False
 
 
 class KVStrideConnector(KVConnectorBase_V1, SupportsHMA):
@@ -203,12 +204,12 @@ class KVStrideConnector(KVConnectorBase_V1, SupportsHMA):
         self._sreqs: Dict[str, _SchedReq] = {}
         self._local: Dict[str, int] = {}
         self._pending_loads: Dict[str, LoadRequest] = {}
-        self._preempted: List[str] = []
+        self._loading: set = set()  # req ids whose asynchronous load is in flight
         self._finished_tails: Dict[str, tuple] = {}  # req id -> (hashes, tables, hand-offs)
         # worker side
-        self._saving: set = set()  # req ids with a save submitted since they (re)started
-        self._finishing: set = set()
-        self._load_errors: set = set()
+        self._tails_staged: set = set()  # finished requests whose tail saves left their blocks
+        self._finished_seen: set = set()  # finished req ids vLLM named, not yet reported
+        self._load_failed: set = set()  # loads that never reached the engine
         self.matched_tokens = 0  # external tokens reported to vLLM (scheduler side)
         if role == KVConnectorRole.SCHEDULER:
             # Lookups need only the planner and the store: no KV tensors on this side.
@@ -258,7 +259,9 @@ class KVStrideConnector(KVConnectorBase_V1, SupportsHMA):
             if ext:
                 self._local[rid] = int(num_computed_tokens)
                 self.matched_tokens += ext
-            return ext, False
+            # Asynchronous: vLLM parks the request until the load is reported, so every
+            # group's state (Mamba included) is in place before its first forward.
+            return ext, ext > 0
         except Exception as err:  # never into vLLM's step: a miss
             log.warning("kvstride lookup failed, treating as a miss: %r", err)
             return 0, False
@@ -273,8 +276,13 @@ class KVStrideConnector(KVConnectorBase_V1, SupportsHMA):
             self._pending_loads[rid] = LoadRequest(
                 rid, list(request.block_hashes), block_ids, hit_tokens=local + int(num_external_tokens), local_tokens=local
             )
+            self._loading.add(rid)
         except Exception as err:
             log.warning("kvstride update_state_after_alloc failed: %r", err)
+
+    def update_connector_output(self, connector_output) -> None:
+        for rid in connector_output.finished_recving or ():
+            self._loading.discard(rid)
 
     def on_new_request(self, request) -> None:
         self._sreqs[request.request_id] = _SchedReq(request)
@@ -287,14 +295,16 @@ class KVStrideConnector(KVConnectorBase_V1, SupportsHMA):
         except Exception as err:  # saves are best effort; loads must go out
             log.warning("kvstride: this step's saves were skipped: %r", err)
             meta.saves = []
+            # Finished requests held for their tail are released all the same.
+            meta.finished_tails = sorted(set(meta.finished_tails) | set(self._finished_tails))
+            self._finished_tails.clear()
         return meta
 
     def _build_saves(self, so, meta: KVStrideMetadata) -> None:
         for rid in so.preempted_req_ids or ():
             st = self._sreqs.get(rid)
-            if st is not None:  # the worker drains its saves now (handle_preemptions)
+            if st is not None:  # its blocks are gone; a resumed request starts a new table
                 st.block_ids = []
-                st.saving = False
             meta.preempted.append(rid)
         computed: Dict[str, int] = {}
         for new in so.scheduled_new_reqs:
@@ -333,7 +343,6 @@ class KVStrideConnector(KVConnectorBase_V1, SupportsHMA):
             # vLLM may hand off several boundaries in one step; the planner takes one per save.
             for entries in by_boundary[1:]:
                 meta.saves.append(SaveRequest(rid, hashes, tables, computed[rid] + int(n), handoffs=entries))
-            st.saving = True
         # Hand-offs of requests not scheduled this step: their own saves, on vLLM's block tables.
         block_state = getattr(so, "kv_connector_block_state", None)
         for rid, by_boundary in handoffs.items():
@@ -345,11 +354,11 @@ class KVStrideConnector(KVConnectorBase_V1, SupportsHMA):
             tables = [list(ids) for ids in tables]
             for entries in by_boundary:
                 meta.saves.append(SaveRequest(rid, hashes, tables, int(entries[0][2]), handoffs=entries))
-            st.saving = True
         for rid, entries in self._finished_tails.items():
             st_hashes, tables = entries[0], entries[1]
             for group in self._split_by_boundary(entries[2]):
                 meta.saves.append(SaveRequest(rid, st_hashes, tables, int(group[0][2]), handoffs=group))
+            meta.finished_tails.append(rid)
         self._finished_tails.clear()
 
     @staticmethod
@@ -384,18 +393,21 @@ class KVStrideConnector(KVConnectorBase_V1, SupportsHMA):
             if st is None or not partial_tail_offloads or not hashes:
                 return False
             self._finished_tails[rid] = (hashes, [list(ids) for ids in block_ids], list(partial_tail_offloads))
-            st.saving = True
             return True
         except Exception as err:
             log.warning("kvstride register_finished_partial_tail failed: %r", err)
             return False
 
     def request_finished_all_groups(self, request, block_ids) -> Tuple[bool, Optional[dict]]:
+        """Saves copy their blocks out within the step that computed them, so a finished
+        request's blocks are free at once, but while its load is in flight: vLLM frees them
+        when the worker reports the load (``finished_recving``)."""
         rid = request.request_id
         self._local.pop(rid, None)
-        self._pending_loads.pop(rid, None)
-        st = self._sreqs.pop(rid, None)
-        return bool(st is not None and st.saving), None
+        self._sreqs.pop(rid, None)
+        if self._pending_loads.pop(rid, None) is not None:  # never sent: nothing writes them
+            self._loading.discard(rid)
+        return rid in self._loading, None
 
     def request_finished(self, request, block_ids) -> Tuple[bool, Optional[dict]]:
         return self.request_finished_all_groups(request, (block_ids,))
@@ -412,44 +424,20 @@ class KVStrideConnector(KVConnectorBase_V1, SupportsHMA):
             raise RuntimeError(f"kvstride: the store refused the staging buffer: {err!r}") from err
         self.engine = OffloadEngine(self.planner, Transfer(layout, pool), self.store, name="kvstride-worker")
 
-    def _wait(self, pred) -> bool:
-        deadline = time.monotonic() + WAIT_TIMEOUT_S
-        while not pred():
-            if time.monotonic() > deadline:
-                return False
-            time.sleep(0.0002)
-        return True
-
     def start_load_kv(self, forward_context, **kwargs) -> None:
+        """Hand this step's loads to the load lane and return: vLLM keeps their requests
+        waiting until ``get_finished`` reports them."""
         try:
             meta = self._get_connector_metadata()
         except Exception:
             return
         if not isinstance(meta, KVStrideMetadata) or not meta.loads:
             return
-        loads = meta.loads
-        try:
-            if self.engine is None:
-                raise RuntimeError("no KV caches registered")
-            self.engine.submit(loads=loads)
-            want = {load.req_id for load in loads}
-            done: set = set()
-
-            def finished() -> bool:
-                got = self.engine.get_finished()
-                done.update(got.loads_done)
-                for blocks in got.loads_failed.values():
-                    self._load_errors.update(int(b) for _, b in blocks)
-                # saves_done / saves_failed: the worker drains saves itself (get_finished)
-                return want <= done
-
-            if not self._wait(finished):
-                raise TimeoutError(f"loads of {sorted(want - done)} did not finish in {WAIT_TIMEOUT_S}s")
-        except Exception as err:  # every block of these loads is recomputed
-            log.warning("kvstride load failed, its blocks are recomputed: %r", err)
-            for load in loads:
-                for table in load.block_ids:
-                    self._load_errors.update(int(b) for b in table if b)
+        if self.engine is None:
+            log.warning("kvstride: no KV caches registered; %d loads are recomputed", len(meta.loads))
+            self._load_failed.update(load.req_id for load in meta.loads)
+            return
+        self.engine.submit(loads=meta.loads)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return
@@ -458,55 +446,55 @@ class KVStrideConnector(KVConnectorBase_V1, SupportsHMA):
         return  # whole blocks are saved after the forward (wait_for_save)
 
     def wait_for_save(self) -> None:
+        """Copy this step's blocks to save out of the KV cache (the engine plans and stages
+        them before ``submit`` returns); their store puts run on the save lane."""
         try:
             meta = self._get_connector_metadata()
             if not isinstance(meta, KVStrideMetadata) or not meta.saves:
                 return
-            # First: the scheduler keeps these requests' blocks until get_finished names them.
-            self._saving.update(save.req_id for save in meta.saves)
             if self.engine is None:
                 raise RuntimeError("no KV caches registered")
             self.engine.submit(saves=meta.saves)
-            if any(save.handoffs for save in meta.saves):
-                # vLLM does not keep a hand-off's block for the request (Mamba align frees
-                # skipped states): read it before the next forward can reuse it.
-                if not self.engine.wait_idle(WAIT_TIMEOUT_S):
-                    log.warning("kvstride: boundary-state saves still running after %ss", WAIT_TIMEOUT_S)
+            self._tails_staged.update(meta.finished_tails)
         except Exception as err:
             log.warning("kvstride: this step's saves were skipped: %r", err)
-
-    def _drain_saves(self, req_ids) -> None:
-        """Wait until every queued job ran (so no save reads these requests' blocks again)."""
-        if self.engine is None:
-            return
-        if not self.engine.wait_idle(WAIT_TIMEOUT_S):
-            log.warning("kvstride: saves still running after %ss; releasing blocks anyway", WAIT_TIMEOUT_S)
-        self.engine.get_finished()  # loads are collected by start_load_kv, saves need no report
-        for rid in req_ids:
-            self.engine.finish_request(rid)
-            self._saving.discard(rid)
+            self._tails_staged.update(getattr(meta, "finished_tails", ()))
 
     def handle_preemptions(self, kv_connector_metadata) -> None:
-        try:
-            pre = [r for r in getattr(kv_connector_metadata, "preempted", ()) if r in self._saving]
-            if pre:
-                self._drain_saves(pre)
-        except Exception as err:
-            log.warning("kvstride handle_preemptions failed: %r", err)
+        """Nothing to wait for: a save never reads a block after its step."""
+        for rid in getattr(kv_connector_metadata, "preempted", ()):
+            if self.engine is not None:
+                self.engine.finish_request(rid)
 
-    def get_finished(self, finished_req_ids):
+    def get_transfer_results(self, finished_req_ids) -> KVConnectorTransferResults:
+        """Loads done (failed ones also in ``failed_recving``: vLLM recomputes the request,
+        on every model), and finished requests whose tail saves no longer need their blocks."""
+        results = KVConnectorTransferResults()
         try:
-            self._finishing.update(r for r in finished_req_ids if r in self._saving)
-            if not self._finishing:
-                return None, None
-            done, self._finishing = set(self._finishing), set()
-            self._drain_saves(done)
-            return done, None
+            self._finished_seen.update(finished_req_ids or ())
+            failed, self._load_failed = self._load_failed, set()
+            if self.engine is not None:
+                got = self.engine.get_finished()
+                results.finished_recving.update(got.loads_done)
+                failed.update(got.loads_failed)
+            results.finished_recving.update(failed)
+            results.failed_recving.update(failed)
+            ready = self._tails_staged & self._finished_seen
+            self._tails_staged -= ready
+            self._finished_seen -= ready
+            results.finished_sending.update(ready)
+            for rid in finished_req_ids or ():
+                if self.engine is not None:
+                    self.engine.finish_request(rid)
+            # Finished requests with nothing staged are never reported: forget them.
+            self._finished_seen &= self._tails_staged
         except Exception as err:
             log.warning("kvstride get_finished failed: %r", err)
-            done, self._finishing = set(self._finishing), set()
-            return done or None, None
+        return results
+
+    def get_finished(self, finished_req_ids):
+        results = self.get_transfer_results(finished_req_ids)
+        return results.finished_sending or None, results.finished_recving or None
 
     def get_block_ids_with_load_errors(self) -> set:
-        errors, self._load_errors = self._load_errors, set()
-        return errors
+        return set()  # failures go out as failed_recving, which vLLM takes for every model
