@@ -1,7 +1,8 @@
 """``kvstride simulate`` and ``kvstride explain`` through the CLI's entry point, on small
 workloads: every preset on the embedded store with and without faults, two presets on a real
-Mooncake master, the plot, a run whose loaded bytes are wrong (the check must fail), and
-explain for the ring mix and for a mix that cannot be keyed."""
+Mooncake master, the plot, a run whose loaded bytes are wrong (the check must fail), the old
+synchronous load order (the Mamba running state is wrong: the check must fail), and explain for
+the ring mix and for a mix that cannot be keyed."""
 
 from __future__ import annotations
 
@@ -33,6 +34,7 @@ def simulate(capsys, preset, *extra):
 
 def check(rc, result, faults: bool):
     assert rc == 0, result
+    assert result["load_timing"] == "async"
     assert result["verified"] is True and result["wrong_bytes"] == 0
     assert result["verified_bytes"] > 0 and result["hit_rate"] > 0
     history = result["history"]
@@ -105,6 +107,21 @@ def test_wrong_loaded_byte_fails_the_run(capsys, monkeypatch, preset):
     rc, result = simulate(capsys, preset)
     assert rc == 1
     assert result["verified"] is False and result["wrong_bytes"] > 0
+
+
+@pytest.mark.parametrize("preset", ["qwen3-next", "glm-ring"])
+def test_sync_load_leaves_the_mamba_running_state_wrong(capsys, preset):
+    """The old connector: the load ran in the request's first computing step, after vLLM's
+    preprocess_mamba had copied the (still garbage) hit-state block into the running state."""
+    rc, result = simulate(capsys, preset, "--load-timing", "sync")
+    assert rc == 1 and result["load_timing"] == "sync"
+    assert result["verified"] is False and result["wrong_bytes"] > 0
+
+
+def test_sync_load_without_mamba_is_right(capsys):
+    # Attention blocks are read where they are loaded: the load order does not matter.
+    rc, result = simulate(capsys, "gemma3", "--load-timing", "sync")
+    assert rc == 0 and result["verified"] is True and result["wrong_bytes"] == 0
 
 
 def test_simulate_refuses_a_mix_that_cannot_be_keyed(capsys):

@@ -1,5 +1,6 @@
 """The ``kvstride`` command: ``explain`` a group mix, ``simulate`` a chat workload through the
-offload engine, ``bench`` the core and data plane."""
+offload engine, ``bench`` the core and data plane, ``store serve`` a Mooncake store that
+outlives the engines."""
 
 from __future__ import annotations
 
@@ -214,6 +215,7 @@ def simulate(mix: Mix, args) -> int:
         dcp=args.dcp,
         fault_every=args.fault_every,
         chunk_tokens=args.chunk_tokens,
+        load_timing=args.load_timing,
         progress=not args.json and not args.quiet,
     )
     result = run_simulation(cfg)
@@ -260,7 +262,87 @@ def bench(args) -> int:
     return 1 if failed else 0
 
 
+# ---- store serve ---------------------------------------------------------------------------
+
+
+def _write_atomically(path: str, text: str) -> None:
+    """Readers polling ``path`` see no file or the whole file, never half of it."""
+    import os
+
+    partial = f"{path}.{os.getpid()}.partial"
+    with open(partial, "w") as f:
+        f.write(text + "\n")
+    os.replace(partial, path)
+
+
+def store_serve(args) -> int:
+    """Run ``mooncake_master`` plus one client that holds ``--bytes`` of segment, so that engines
+    can be pure clients (segment 0) whose objects outlive them; stop on SIGINT / SIGTERM."""
+    import json
+    import signal
+    import threading
+
+    from kvstride.mooncake_config import MooncakeClientConfig, parse_size
+    from kvstride.stores import MooncakeStore, start_master
+
+    try:
+        segment_bytes = parse_size(args.bytes, "--bytes")
+    except ValueError as err:
+        print(f"kvstride store serve: {err}", file=sys.stderr)
+        return 2
+    if segment_bytes == 0:
+        print("kvstride store serve: --bytes must be > 0: the objects live in this segment", file=sys.stderr)
+        return 2
+    if args.host in ("", "0.0.0.0", "::"):
+        print(
+            f"kvstride store serve: --host {args.host!r} is a wildcard; give an address the engines "
+            "can reach (127.0.0.1 or this machine's IP)",
+            file=sys.stderr,
+        )
+        return 2
+    stop = threading.Event()
+    # Installed before anything starts, so that a signal during start-up still shuts down cleanly.
+    previous = {sig: signal.signal(sig, lambda signum, frame: stop.set()) for sig in (signal.SIGINT, signal.SIGTERM)}
+    master = holder = None
+    try:
+        # Warnings and errors only: at INFO the master logs a metrics line every 10 s, forever.
+        master = start_master(host=args.host, rpc_port=args.port, extra_args=["--minloglevel=1"])
+        holder = MooncakeStore(master, segment_bytes=segment_bytes, local_hostname=args.host)
+        engine_config = json.dumps(MooncakeClientConfig(master.address, global_segment_size=0).to_json())
+        if args.config_out:
+            _write_atomically(args.config_out, engine_config)
+        print(engine_config, flush=True)
+        where = f"MOONCAKE_CONFIG_PATH={args.config_out}" if args.config_out else "MOONCAKE_CONFIG_PATH=<the JSON above>"
+        print(
+            f"kvstride store: holding {segment_bytes} B for master {master.address} (log: {master.log_path}); "
+            f"engines: {where}; stop with Ctrl-C or SIGTERM",
+            file=sys.stderr,
+            flush=True,
+        )
+        while not stop.wait(1.0):
+            if not master.alive():
+                print(
+                    f"kvstride store serve: mooncake_master exited with {master.proc.returncode}; log: {master.log_path}",
+                    file=sys.stderr,
+                )
+                return 1
+        return 0
+    except (RuntimeError, ValueError, OSError) as err:
+        print(f"kvstride store serve: {err}", file=sys.stderr)
+        return 1
+    finally:
+        if holder is not None:
+            holder.close()  # before the master: closing against a stopped master takes ~10 s
+        if master is not None:
+            master.stop()
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
 # ---- entry point -----------------------------------------------------------------------------
+
+# Modules of the `cli` extra: a command that needs a missing one says what to install.
+_CLI_EXTRA_MODULES = ("torch", "tqdm", "matplotlib")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -293,12 +375,29 @@ def build_parser() -> argparse.ArgumentParser:
         help="prefill chunk size (rounded up to the lookup alignment, at least S); Mamba states "
         "are handed off at chunk ends",
     )
+    sim.add_argument(
+        "--load-timing",
+        choices=("async", "sync"),
+        default="async",
+        help="async: a hit's load completes before its first computing step (the connector); "
+        "sync: in that step, after vLLM's Mamba running-state copy (the old, wrong order)",
+    )
     sim.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     sim.add_argument("--plot", metavar="FILE.png", help="draw hit rate and throughput per turn")
     sim.add_argument("--quiet", action="store_true", help="no progress bar")
     bench_parser = commands.add_parser("bench", help="run the core and data-plane benches and print their ratio tables")
     bench_parser.add_argument("--quick", action="store_true", help="fewer repeats")
     bench_parser.add_argument("--rust", action="store_true", help="also run the criterion benches (cargo bench)")
+    store_parser = commands.add_parser("store", help="a Mooncake store that outlives the engines")
+    store_commands = store_parser.add_subparsers(dest="store_command", required=True)
+    serve = store_commands.add_parser(
+        "serve",
+        help="start mooncake_master and one client holding the segment; print the engines' config (segment 0)",
+    )
+    serve.add_argument("--bytes", required=True, help="segment held for the engines' objects, e.g. 8G, 512MB")
+    serve.add_argument("--host", default="127.0.0.1", help="address to listen on and to give the engines (default: loopback)")
+    serve.add_argument("--port", type=int, default=None, help="master RPC port (default: a free one)")
+    serve.add_argument("--config-out", metavar="PATH", help="also write the engines' config here (for MOONCAKE_CONFIG_PATH)")
     return parser
 
 
@@ -309,8 +408,21 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
     parser = build_parser()
     args = parser.parse_args(argv)
+    try:
+        return _run(parser, args)
+    except ModuleNotFoundError as err:
+        module = (err.name or "").partition(".")[0]
+        if module not in _CLI_EXTRA_MODULES:
+            raise
+        print(f"kvstride {args.command} needs {module}, which is not installed: pip install 'kvstride[cli]'", file=sys.stderr)
+        return 2
+
+
+def _run(parser: argparse.ArgumentParser, args) -> int:
     if args.command == "bench":
         return bench(args)
+    if args.command == "store":
+        return store_serve(args)
     try:
         mix = resolve_mix(args.preset, args.groups, args.prefix_match_unit)
     except ValueError as err:

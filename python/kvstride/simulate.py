@@ -5,6 +5,12 @@ Each turn's prefill writes deterministic content into the request's blocks (a fu
 group and of the token prefix, so any two requests sharing a prefix write identical bytes)
 and offloads it; later turns look up, load hits into fresh blocks pre-filled with garbage, and
 check every loaded byte against what a recompute would have written.
+
+A Mamba group in align mode computes from its running-state block (the last of its table), not
+from the loaded one: as vLLM's ``preprocess_mamba`` does, a request's first computing step
+copies the hit-state block into it, and every chunk carries that state (and any error in it)
+on into the hand-offs it stores. So the running state and the hand-offs are checked too, and a
+load that lands after the copy (``load_timing="sync"``) is caught.
 """
 
 from __future__ import annotations
@@ -45,6 +51,9 @@ class SimConfig:
     dcp: int = 1
     fault_every: int = 0  # inject a store fault before every N-th batch of requests
     chunk_tokens: int = 1024  # prefill chunk (rounded up to the alignment, at least S)
+    # "async": a hit's load completes before its first computing step (what the connector
+    # does); "sync": it runs in that step, after vLLM's preprocess_mamba copy (the old bug).
+    load_timing: str = "async"
     progress: bool = True
 
 
@@ -115,6 +124,12 @@ class SimulatedCache:
         mixed = (self._seed(g, block_hash) + lanes * 104729 + 77) * 2654435761
         return ((mixed >> 16) & 0xFF).to(torch.uint8)
 
+    def state_at(self, g: int, hashes: List[bytes], tokens: int) -> torch.Tensor:
+        """The Mamba state after ``tokens`` (a hash boundary); 0 tokens: the initial state."""
+        if tokens == 0:
+            return torch.zeros(self.cfg.state_bytes, dtype=torch.uint8)
+        return self.expected_state(g, hashes[tokens // self.h - 1])
+
     def write_tokens(self, g: int, table: List[int], hashes: List[bytes], lo: int, hi: int) -> None:
         if hi <= lo:
             return
@@ -139,6 +154,8 @@ def _percentile(values: List[float], q: float) -> float:
 
 class Simulation:
     def __init__(self, cfg: SimConfig) -> None:
+        if cfg.load_timing not in ("async", "sync"):
+            raise ValueError(f"load_timing {cfg.load_timing!r}: use async or sync")
         self.cfg = cfg
         groups = list(cfg.mix.groups)
         self.groups = groups
@@ -171,6 +188,11 @@ class Simulation:
             self.pool.register(self.store.register_buffer)
         self.transfer = Transfer(self.cache.layout, self.pool)
         self.engine = OffloadEngine(self.planner, self.transfer, self.store)
+        self.align_mamba = {
+            g
+            for g, spec in enumerate(groups)
+            if spec.kind == "mamba" and spec.mamba_mode == "align" and self.planner.hashes_per_block[g]
+        }
         a = self.planner.alignment
         self.chunk = max(self.s, -(-max(1, cfg.chunk_tokens) // a) * a)
         self.history: List[dict] = []
@@ -288,6 +310,10 @@ class Simulation:
         loads = [
             LoadRequest(c.req_id, c.hashes, tables[c.req_id], hits[c.req_id]) for c in convs if hits[c.req_id] > 0
         ]
+        sync = cfg.load_timing == "sync"
+        if sync:  # the load runs in the first computing step, after preprocess_mamba
+            for conv in convs:
+                self._preprocess_mamba(tables[conv.req_id], hits[conv.req_id])
         if loads:
             self.engine.submit(loads=loads)
             self.engine.wait_idle()
@@ -297,6 +323,8 @@ class Simulation:
             hit = hits[conv.req_id]
             if hit and conv.req_id in finished.loads_failed:
                 hit = 0  # recompute: a failed load costs only recomputation
+            if not sync or not hit:  # a recompute starts over from the initial state
+                self._preprocess_mamba(tables[conv.req_id], hit)
             if hit:
                 self._verify(conv, tables[conv.req_id], hit)
             verified_hits[conv.req_id] = hit
@@ -321,9 +349,12 @@ class Simulation:
                 handoffs = []
                 for g, spec in enumerate(self.groups):
                     if spec.kind == "mamba":
+                        state = self._compute_state(g, conv.hashes, table[g], lo, boundary)
                         if boundary > handed[conv.req_id] and planner.hashes_per_block[g]:
                             (cow,) = self.allocator.allocate(g, 1)
-                            cache.tensors[g][cow] = cache.expected_state(g, conv.hashes[boundary // self.h - 1])
+                            cache.tensors[g][cow] = state
+                            if g in self.align_mamba:
+                                self._check_state(g, cow, conv.hashes, boundary)
                             handoffs.append((g, cow, boundary))
                             cows.append((g, cow))
                     else:
@@ -357,20 +388,45 @@ class Simulation:
             }
         )
 
+    def _preprocess_mamba(self, table: List[List[int]], hit: int) -> None:
+        """vLLM's preprocess_mamba at a request's first computing step (align mode): the
+        running-state block starts as a copy of the hit-state block, whatever that holds now;
+        without a hit the kernel starts from the initial state."""
+        for g in self.align_mamba:
+            running = self.cache.tensors[g][table[g][-1]]
+            if hit:
+                running[:] = self.cache.tensors[g][table[g][(hit - 1) // self.cache.block_tokens(g)]]
+            else:
+                running.zero_()
+
+    def _compute_state(self, g: int, hashes: List[bytes], table: List[int], lo: int, hi: int) -> torch.Tensor:
+        """The Mamba state at ``hi`` a chunk from ``lo`` computes. In align mode: the running-state
+        block, advanced from lo to hi; an error it started with stays in it."""
+        expected = self.cache.state_at(g, hashes, hi)
+        if g not in self.align_mamba:
+            return expected
+        running = self.cache.tensors[g][table[-1]]
+        running[:] = expected ^ running ^ self.cache.state_at(g, hashes, lo)
+        return running
+
+    def _check_state(self, g: int, block_id: int, hashes: List[bytes], tokens: int) -> None:
+        expected = self.cache.state_at(g, hashes, tokens)
+        self.wrong_bytes += int((self.cache.tensors[g][block_id] != expected).sum())
+        self.verified_bytes += expected.numel()
+
     def _verify(self, conv: Conversation, table: List[List[int]], hit: int) -> None:
         plan = self.planner.plan_load(conv.hashes, table, hit)
         for key, g, block_id in plan.gets:
-            spec = self.groups[g]
-            if spec.kind == "mamba":
-                expected = self.cache.expected_state(g, conv.hashes[hit // self.h - 1])
-                wrong = int((self.cache.tensors[g][block_id] != expected).sum())
-                self.verified_bytes += expected.numel()
+            if self.groups[g].kind == "mamba":
+                self._check_state(g, block_id, conv.hashes, hit)
             else:
                 index = table[g].index(block_id)
-                wrong = self.cache.wrong_bytes_tokens(g, block_id, index, conv.hashes, hit)
+                self.wrong_bytes += self.cache.wrong_bytes_tokens(g, block_id, index, conv.hashes, hit)
                 b = self.cache.block_tokens(g)
                 self.verified_bytes += (min((index + 1) * b, hit) - index * b) * self.cfg.token_bytes
-            self.wrong_bytes += wrong
+        # What the first chunk computes from: right only if the hit state was there in time.
+        for g in self.align_mamba:
+            self._check_state(g, table[g][-1], conv.hashes, hit)
 
     # ---- report --------------------------------------------------------------------------
 
@@ -393,6 +449,7 @@ class Simulation:
             "conversations": self.cfg.conversations,
             "turns": self.cfg.turns,
             "chunk_tokens": self.chunk,
+            "load_timing": self.cfg.load_timing,
             "verified": self.wrong_bytes == 0,
             "wrong_bytes": self.wrong_bytes,
             "verified_bytes": self.verified_bytes,
@@ -420,9 +477,9 @@ def print_table(result: dict, out=None) -> None:
         ("mix", f"{result['mix']}  ({result['groups']})"),
         ("S / H", f"{result['S']} / {result['H']}  partial hits {'on' if result['partial_hits'] else 'off'}"),
         ("store", result["store"]),
-        ("requests", f"{result['conversations']} conversations x {result['turns']} turns, prefill chunks of {result['chunk_tokens']} tokens"),
+        ("requests", f"{result['conversations']} conversations x {result['turns']} turns, prefill chunks of {result['chunk_tokens']} tokens, {result['load_timing']} loads"),
         ("hit rate", f"{result['hit_rate']:.1%}  ({result['tokens_saved']} of {result['prompt_tokens']} prompt tokens)"),
-        ("verified", f"{result['verified']}  ({result['verified_bytes']} loaded bytes checked, {result['wrong_bytes']} wrong)"),
+        ("verified", f"{result['verified']}  ({result['verified_bytes']} bytes of loads and Mamba states checked, {result['wrong_bytes']} wrong)"),
         ("stored", f"{result['bytes_stored'] / 1e6:.1f} MB at {result['put_gbps']:.2f} GB/s"),
         ("loaded", f"{result['bytes_loaded'] / 1e6:.1f} MB at {result['get_gbps']:.2f} GB/s"),
     ]

@@ -42,7 +42,7 @@ import tempfile
 import threading
 import time
 import urllib.request
-from typing import Optional, Sequence
+from typing import TYPE_CHECKING, Optional, Sequence
 
 import numpy as np
 import xxhash
@@ -57,6 +57,9 @@ __all__ = [
     "HEADER_BYTES",
     "FORMAT_VERSION",
 ]
+
+if TYPE_CHECKING:
+    from kvstride.mooncake_config import MooncakeClientConfig
 
 log = logging.getLogger("kvstride.stores")
 
@@ -435,9 +438,9 @@ class EmbeddedStore(KVStore):
 # ---- Mooncake master --------------------------------------------------------------------
 
 
-def _free_port() -> int:
+def _free_port(host: str = "127.0.0.1") -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
+        s.bind((host, 0))
         return s.getsockname()[1]
 
 
@@ -453,8 +456,8 @@ def _mooncake_dir() -> str:
     spec = importlib.util.find_spec("mooncake")
     if spec is None or not spec.submodule_search_locations:
         raise RuntimeError(
-            "the Mooncake store needs `pip install mooncake-transfer-engine-non-cuda` "
-            "(and `apt-get install libibverbs1`)"
+            "the Mooncake store needs `pip install 'kvstride[mooncake]'` (mooncake-transfer-engine-non-cuda) "
+            "and `apt-get install libibverbs1`"
         )
     return list(spec.submodule_search_locations)[0]
 
@@ -462,9 +465,12 @@ def _mooncake_dir() -> str:
 class MasterProcess:
     """A ``mooncake_master`` started by :func:`start_master`, stopped by PID."""
 
-    def __init__(self, proc: subprocess.Popen, rpc_port: int, metrics_port: int, log_path: str, argv: list) -> None:
+    def __init__(
+        self, proc: subprocess.Popen, rpc_port: int, metrics_port: int, log_path: str, argv: list, host: str = "127.0.0.1"
+    ) -> None:
         self.proc = proc
         self.pid = proc.pid
+        self.host = host
         self.rpc_port = rpc_port
         self.metrics_port = metrics_port
         self.log_path = log_path
@@ -472,7 +478,7 @@ class MasterProcess:
 
     @property
     def address(self) -> str:
-        return f"127.0.0.1:{self.rpc_port}"
+        return f"{self.host}:{self.rpc_port}"
 
     def alive(self) -> bool:
         return self.proc.poll() is None
@@ -512,14 +518,14 @@ class MasterProcess:
 
 def _wait_ready(m: MasterProcess, timeout: float) -> None:
     deadline = time.monotonic() + timeout
-    url = f"http://127.0.0.1:{m.metrics_port}/health"
+    url = f"http://{m.host}:{m.metrics_port}/health"
     while time.monotonic() < deadline:
         if m.proc.poll() is not None:
             raise RuntimeError(f"mooncake_master exited with {m.proc.returncode}; log: {m.log_path}")
         try:
             with urllib.request.urlopen(url, timeout=0.5) as r:
                 body = r.read().decode(errors="replace")
-            if '"service_ready":true' in body.replace(" ", "") and _port_open("127.0.0.1", m.rpc_port):
+            if '"service_ready":true' in body.replace(" ", "") and _port_open(m.host, m.rpc_port):
                 return
         except OSError:
             pass
@@ -530,25 +536,31 @@ def _wait_ready(m: MasterProcess, timeout: float) -> None:
 
 def start_master(
     *,
+    host: str = "127.0.0.1",
+    rpc_port: Optional[int] = None,
     lease_ttl_ms: Optional[int] = None,
     eviction_high_watermark: Optional[float] = None,
     extra_args: Sequence[str] = (),
     log_dir: Optional[str] = None,
     timeout: float = 15.0,
 ) -> MasterProcess:
-    """Run ``mooncake_master`` on 127.0.0.1 (free RPC and metrics ports), wait until healthy."""
+    """Run ``mooncake_master`` listening on ``host`` (loopback by default) at ``rpc_port`` (a
+    free one by default; the metrics port is always a free one), wait until healthy."""
     binary = os.path.join(_mooncake_dir(), "mooncake_master")
     if not os.path.exists(binary):
         binary = shutil.which("mooncake_master") or binary
-    rpc, met = _free_port(), _free_port()
+    if rpc_port is not None and _port_open(host, rpc_port, 0.2):
+        raise RuntimeError(f"port {rpc_port} on {host} is in use; pick another or leave it to a free one")
+    rpc = _free_port(host) if rpc_port is None else int(rpc_port)
+    met = _free_port(host)
     while met == rpc:
-        met = _free_port()
+        met = _free_port(host)
     argv = [
         binary,
         f"--rpc_port={rpc}",
-        "--rpc_address=127.0.0.1",
+        f"--rpc_address={host}",
         f"--metrics_port={met}",
-        "--metrics_host=127.0.0.1",
+        f"--metrics_host={host}",
         "--logtostderr",
     ]
     if lease_ttl_ms is not None:
@@ -565,7 +577,7 @@ def start_master(
         raise RuntimeError(f"cannot run {binary}: {e} (is libibverbs1 installed?)") from e
     finally:
         log_f.close()
-    m = MasterProcess(proc, rpc, met, log_path, argv)
+    m = MasterProcess(proc, rpc, met, log_path, argv, host)
     _wait_ready(m, timeout)
     return m
 
@@ -666,6 +678,31 @@ class MooncakeStore(KVStore):
         self._down_until = 0.0
         self._retry_after = float(retry_after_s)
         self._registered: list = []
+
+    @classmethod
+    def from_config(
+        cls,
+        config: "MooncakeClientConfig",
+        *,
+        local_hostname: str = "127.0.0.1",
+        fingerprint: bytes = b"\0" * 8,
+        verify: bool = True,
+    ) -> "MooncakeStore":
+        """A client as ``config`` (:func:`kvstride.mooncake_config.resolve_client_config`) says;
+        ``global_segment_size`` 0 makes a pure client whose objects live in a holder's segment
+        (``kvstride store serve``) and outlive it.  ``local_hostname``: the address other
+        clients reach this one at."""
+        return cls(
+            config.master_server_address,
+            segment_bytes=config.global_segment_size,
+            local_buffer_bytes=config.local_buffer_size,
+            protocol=config.protocol,
+            local_hostname=local_hostname,
+            metadata_server=config.metadata_server,
+            rdma_devices=config.device_name,
+            fingerprint=fingerprint,
+            verify=verify,
+        )
 
     # -- guard: never a call after close(), fail fast while the master is down --
 
