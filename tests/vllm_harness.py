@@ -209,15 +209,17 @@ def generate(llm, prompt: Sequence[int]) -> Output:
     return Output(tokens, logprobs)
 
 
-def scenario(llm) -> Dict[str, Output]:
+def scenario(llm, after=None) -> Dict[str, Output]:
     """P1 (fills the store), then P2 (80 % shared) and the exact repeat of P1, each after a
-    forced miss."""
+    forced miss. ``after(phase)`` is called once each phase's request finished."""
     p1, p2 = prompts()
-    out = {"p1": generate(llm, p1)}
-    drain_and_forget(llm, 1)
-    out["p2"] = generate(llm, p2)
-    drain_and_forget(llm, 2)
-    out["repeat"] = generate(llm, p1)
+    out = {}
+    for seed, (phase, prompt) in enumerate((("p1", p1), ("p2", p2), ("repeat", p1))):
+        if seed:
+            drain_and_forget(llm, seed)
+        out[phase] = generate(llm, prompt)
+        if after is not None:
+            after(phase)
     return out
 
 

@@ -58,6 +58,7 @@ from kvstride.engine import LoadRequest, OffloadEngine, SaveRequest
 from kvstride.layout import KVLayout
 from kvstride.stores import EmbeddedStore, KVStore
 from kvstride.transfer import StagingPool, Transfer
+from kvstride.vllm_stats import KVStridePromMetrics, KVStrideStats, stats_delta
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
@@ -205,11 +206,13 @@ class KVStrideConnector(KVConnectorBase_V1, SupportsHMA):
         self._local: Dict[str, int] = {}
         self._pending_loads: Dict[str, LoadRequest] = {}
         self._loading: set = set()  # req ids whose asynchronous load is in flight
+        self._recompute: set = set()  # req ids whose load failed: no hit is claimed for them again
         self._finished_tails: Dict[str, tuple] = {}  # req id -> (hashes, tables, hand-offs)
         # worker side
         self._tails_staged: set = set()  # finished requests whose tail saves left their blocks
         self._finished_seen: set = set()  # finished req ids vLLM named, not yet reported
         self._load_failed: set = set()  # loads that never reached the engine
+        self._stats_last: dict = {}  # the engine counters last reported to vLLM
         self.matched_tokens = 0  # external tokens reported to vLLM (scheduler side)
         if role == KVConnectorRole.SCHEDULER:
             # Lookups need only the planner and the store: no KV tensors on this side.
@@ -237,6 +240,21 @@ class KVStrideConnector(KVConnectorBase_V1, SupportsHMA):
             )
         raise ValueError(f"unknown kvstride store {kind!r}; use 'embedded' or 'mooncake'")
 
+    # ---- stats (both roles: lookups count on the scheduler, transfers on the workers) ---------
+
+    def get_kv_connector_stats(self) -> Optional[KVStrideStats]:
+        if self.engine is None:
+            return None
+        return stats_delta(self.engine.counters, self.engine.seconds, self._stats_last)
+
+    @classmethod
+    def build_kv_connector_stats(cls, data=None) -> KVStrideStats:
+        return KVStrideStats(data=data) if data is not None else KVStrideStats()
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config, metric_types, labelnames, per_engine_labelvalues):
+        return KVStridePromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+
     def shutdown(self) -> None:
         engine, self.engine = self.engine, None
         if engine is not None:
@@ -252,7 +270,7 @@ class KVStrideConnector(KVConnectorBase_V1, SupportsHMA):
             rid = request.request_id
             # At least the last prompt token must be computed by vLLM.
             limit = int(request.num_tokens) - 1
-            if self.engine is None or limit <= num_computed_tokens:
+            if self.engine is None or limit <= num_computed_tokens or rid in self._recompute:
                 return 0, False
             hit = self.engine.lookup([(rid, list(request.block_hashes), limit)])[rid]
             ext = max(0, int(hit) - int(num_computed_tokens))
@@ -283,6 +301,9 @@ class KVStrideConnector(KVConnectorBase_V1, SupportsHMA):
     def update_connector_output(self, connector_output) -> None:
         for rid in connector_output.finished_recving or ():
             self._loading.discard(rid)
+        # vLLM asks again after a failed load; a store that failed once is not trusted for the
+        # same request (the retry could fail the same way, forever).
+        self._recompute.update(connector_output.failed_recving or ())
 
     def on_new_request(self, request) -> None:
         self._sreqs[request.request_id] = _SchedReq(request)
@@ -405,6 +426,7 @@ class KVStrideConnector(KVConnectorBase_V1, SupportsHMA):
         rid = request.request_id
         self._local.pop(rid, None)
         self._sreqs.pop(rid, None)
+        self._recompute.discard(rid)
         if self._pending_loads.pop(rid, None) is not None:  # never sent: nothing writes them
             self._loading.discard(rid)
         return rid in self._loading, None

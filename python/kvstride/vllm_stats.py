@@ -1,0 +1,178 @@
+"""vLLM stats for the kvstride connector: what :class:`kvstride.engine.OffloadEngine` counted,
+shipped the way vLLM 0.32 ships connector stats, logged in its periodic "KV Transfer metrics"
+line and exported to Prometheus.
+
+How vLLM moves them:
+
+- every step, each worker's connector and the scheduler's connector return
+  ``get_kv_connector_stats()``: :func:`stats_delta` of their own engine (None when nothing
+  changed: the worker's output then stays empty);
+- the workers' stats are pickled to the engine core, summed across workers
+  (``KVOutputAggregator``), then summed with the scheduler's (``Scheduler.update_from_output``);
+- the sum's ``data`` travels in ``SchedulerStats.kv_connector_stats`` (msgpack) to the front
+  end, where ``KVConnectorLogging`` rebuilds it with ``build_kv_connector_stats(data)``, sums
+  the steps of a log interval and logs their ``reduce()``, and :class:`KVStridePromMetrics`
+  adds each step's ``data`` to its counters.
+
+So ``data`` is flat, ``{name: int | float}``, and holds only the names whose delta is not 0.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Dict, Mapping, Optional, Tuple
+
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
+    KVConnectorPromMetrics,
+    KVConnectorStats,
+)
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+
+__all__ = ["KVStrideStats", "KVStridePromMetrics", "stats_delta"]
+
+#: Stats name -> the engine counter it is the delta of.
+COUNTED = {
+    "lookups": "lookups",
+    "lookup_hit_tokens": "lookup_hit_tokens",
+    "lookup_tokens": "lookup_tokens",
+    "bytes_loaded": "bytes_loaded",
+    "bytes_stored": "bytes_stored",
+    "puts_skipped_present": "put_skipped_present",
+}
+#: Stats name -> the engine operation whose total seconds it is the delta of (store calls).
+TIMED = {"load_seconds": "get", "save_seconds": "put"}
+#: Failures are "failed:<engine counter>": every store outcome of a get or put but these...
+SUCCESSES = frozenset({"get_ok", "put_ok", "put_skipped_present"})
+#: ...and these engine counters.
+FAILURE_COUNTERS = frozenset(
+    {"loads_failed", "saves_failed", "load_job_errors", "save_job_errors", "lookup_errors"}
+)
+FAILED = "failed:"
+
+
+def _is_failure(counter: str) -> bool:
+    if counter in FAILURE_COUNTERS:
+        return True
+    return counter.startswith(("get_", "put_")) and counter not in SUCCESSES
+
+
+@dataclass
+class KVStrideStats(KVConnectorStats):
+    """Deltas of an engine's counters over a step or a log interval: ``data`` maps names of
+    :data:`COUNTED`, :data:`TIMED` and ``"failed:<engine counter>"`` to numbers (plain str
+    keys and numbers: pickled from the workers, msgpack-encoded to the front end)."""
+
+    def reset(self) -> None:
+        self.data = {}
+
+    def aggregate(self, other: KVConnectorStats) -> KVStrideStats:
+        assert isinstance(other, KVStrideStats)
+        # A new object: the dict vLLM wraps in build_kv_connector_stats is the one it also
+        # passes to Prometheus, so it is never summed into.
+        summed = dict(self.data)
+        for name, value in other.data.items():
+            summed[name] = summed.get(name, 0) + value
+        return KVStrideStats(data=summed)
+
+    def reduce(self) -> Dict[str, int | float]:
+        """Every counted name (0 included, for a stable log line), the hit rate, seconds
+        rounded to ms, then the failures that occurred."""
+        summary: Dict[str, int | float] = {name: self.data.get(name, 0) for name in COUNTED}
+        if summary["lookup_tokens"]:
+            summary["lookup_hit_rate"] = round(summary["lookup_hit_tokens"] / summary["lookup_tokens"], 3)
+        summary.update((name, round(self.data.get(name, 0.0), 3)) for name in TIMED)
+        summary.update(sorted((name, n) for name, n in self.data.items() if name.startswith(FAILED)))
+        return summary
+
+    def is_empty(self) -> bool:
+        return not any(self.data.values())
+
+
+def stats_delta(
+    counters: Mapping[str, int], seconds: Mapping[str, float], last: Dict[str, int | float]
+) -> Optional[KVStrideStats]:
+    """What the engine's cumulative ``counters`` and ``seconds`` gained since the totals in
+    ``last`` (updated to the current ones); None when nothing did."""
+    # Snapshots in one C call each: the engine's lanes keep counting on other threads.
+    counters, seconds = dict(counters), dict(seconds)
+    totals: Dict[str, int | float] = {name: counters.get(counter, 0) for name, counter in COUNTED.items()}
+    totals.update((name, seconds.get(operation, 0.0)) for name, operation in TIMED.items())
+    totals.update((FAILED + counter, n) for counter, n in counters.items() if _is_failure(counter))
+    data: Dict[str, int | float] = {}
+    for name, total in totals.items():
+        previous = last.get(name, 0)
+        # Below the last total, the engine was replaced and its counters restarted at 0 (a
+        # negative delta would also make Prometheus' Counter.inc raise in vLLM's output loop).
+        delta = total - previous if total >= previous else total
+        if delta:
+            data[name] = delta
+        last[name] = total
+    return KVStrideStats(data=data) if data else None
+
+
+#: Prometheus counters: stats name -> (series, documentation). vLLM's "vllm:" prefix, because
+#: its stat logger unregisters only "vllm:" collectors before registering them again (a
+#: second engine in one process would otherwise fail on duplicated series).
+SERIES = {
+    "lookups": ("vllm:kvstride_lookups", "Requests looked up in the kvstride store."),
+    "lookup_hit_tokens": ("vllm:kvstride_lookup_hit_tokens", "Prompt tokens the kvstride store had."),
+    "lookup_tokens": ("vllm:kvstride_lookup_tokens", "Prompt tokens looked up in the kvstride store."),
+    "bytes_loaded": ("vllm:kvstride_bytes_loaded", "Bytes loaded from the kvstride store into the KV cache."),
+    "bytes_stored": ("vllm:kvstride_bytes_stored", "Bytes saved from the KV cache to the kvstride store."),
+    "load_seconds": ("vllm:kvstride_load_seconds", "Seconds spent in kvstride store gets."),
+    "save_seconds": ("vllm:kvstride_save_seconds", "Seconds spent in kvstride store puts."),
+    "puts_skipped_present": (
+        "vllm:kvstride_puts_skipped_present",
+        "Blocks not put because the kvstride store already had them.",
+    ),
+}
+FAILURES_SERIES = (
+    "vllm:kvstride_failures",
+    "kvstride failures by outcome: get_*/put_* per block, loads_failed/saves_failed per "
+    "request, *_job_errors per job, lookup_errors per lookup batch.",
+)
+
+
+class KVStridePromMetrics(KVConnectorPromMetrics):
+    """kvstride's Prometheus counters, per vLLM engine (its ``labelnames``), and the failures
+    with an ``outcome`` label too."""
+
+    def __init__(
+        self,
+        vllm_config: VllmConfig,
+        metric_types: Dict[type, type],
+        labelnames: list,
+        per_engine_labelvalues: Dict[int, list],
+    ) -> None:
+        super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+        self._counters: Dict[Tuple[str, int], Any] = {}
+        for name, (series, documentation) in SERIES.items():
+            counter = self._counter_cls(name=series, documentation=documentation, labelnames=labelnames)
+            for engine_idx, labelvalues in per_engine_labelvalues.items():
+                self._counters[name, engine_idx] = counter.labels(*labelvalues)
+        series, documentation = FAILURES_SERIES
+        self._failures = self._counter_cls(
+            name=series, documentation=documentation, labelnames=labelnames + ["outcome"]
+        )
+        # Bound on first sight: the outcomes are whatever the engine counted.
+        self._failures_by_outcome: Dict[Tuple[str, int], Any] = {}
+
+    def observe(self, transfer_stats_data: Dict[str, Any], engine_idx: int = 0) -> None:
+        """Add one step's ``data`` (summed over the workers and the scheduler) of engine
+        ``engine_idx``; names that are not series (``reduce()``'s hit rate) are skipped."""
+        for name, value in transfer_stats_data.items():
+            if value <= 0:  # a negative Counter.inc raises in vLLM's output loop
+                continue
+            if name.startswith(FAILED):
+                self._failure_counter(name[len(FAILED):], engine_idx).inc(value)
+            elif name in SERIES:
+                self._counters[name, engine_idx].inc(value)
+
+    def _failure_counter(self, outcome: str, engine_idx: int) -> Any:
+        key = (outcome, engine_idx)
+        if key not in self._failures_by_outcome:
+            labelvalues = self.per_engine_labelvalues[engine_idx] + [outcome]
+            self._failures_by_outcome[key] = self._failures.labels(*labelvalues)
+        return self._failures_by_outcome[key]
