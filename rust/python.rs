@@ -1208,6 +1208,109 @@ fn xxh3_64_batch(py: Python<'_>, values: &Bound<'_, PyAny>) -> PyResult<Vec<u64>
     Ok(digests)
 }
 
+// ---- host arena regions (kvstride.arena) ---------------------------------------------------
+
+fn region_slice<'a>(array: &'a PyReadonlyArray1<'_, u64>) -> PyResult<&'a [u64]> {
+    array
+        .as_slice()
+        .map_err(|_| PyValueError::new_err("region arrays must be C-contiguous uint64"))
+}
+
+fn same_lengths(slices: &[&[u64]]) -> PyResult<()> {
+    if slices.windows(2).any(|w| w[0].len() != w[1].len()) {
+        return Err(PyValueError::new_err("region arrays must have the same length"));
+    }
+    Ok(())
+}
+
+#[allow(clippy::too_many_arguments)]
+fn arena_rows<'a>(
+    src: &'a PyReadonlyArray1<'_, u64>,
+    dst: &'a PyReadonlyArray1<'_, u64>,
+    lengths: &'a PyReadonlyArray1<'_, u64>,
+    row_start: &'a PyReadonlyArray1<'_, u64>,
+    value_addr: &'a PyReadonlyArray1<'_, u64>,
+    value_len: &'a PyReadonlyArray1<'_, u64>,
+) -> PyResult<crate::regions::Rows<'a>> {
+    let rows = crate::regions::Rows {
+        src: region_slice(src)?,
+        dst: region_slice(dst)?,
+        len: region_slice(lengths)?,
+        row_start: region_slice(row_start)?,
+        value_addr: region_slice(value_addr)?,
+        value_len: region_slice(value_len)?,
+    };
+    same_lengths(&[rows.src, rows.dst, rows.len])?;
+    same_lengths(&[rows.value_addr, rows.value_len])?;
+    let n = rows.len.len() as u64;
+    let starts_ok = rows.row_start.len() == rows.value_addr.len() + 1
+        && rows.row_start.first() == Some(&0)
+        && rows.row_start.last() == Some(&n)
+        && rows.row_start.windows(2).all(|w| w[0] <= w[1]);
+    if !starts_ok {
+        return Err(PyValueError::new_err("row_start must run from 0 to the number of regions, one more entry than rows"));
+    }
+    Ok(rows)
+}
+
+/// `_save_rows(src, dst, lengths, row_start, value_addr, value_len) -> numpy uint64`: copy
+/// each row's regions, then XXH3-64 the row's value region; GIL released. Unchecked raw
+/// memory access: only for `kvstride.arena`, which derives every address from tensors it holds.
+#[pyfunction]
+#[allow(clippy::too_many_arguments)]
+fn _save_rows<'py>(
+    py: Python<'py>,
+    src: PyReadonlyArray1<'py, u64>,
+    dst: PyReadonlyArray1<'py, u64>,
+    lengths: PyReadonlyArray1<'py, u64>,
+    row_start: PyReadonlyArray1<'py, u64>,
+    value_addr: PyReadonlyArray1<'py, u64>,
+    value_len: PyReadonlyArray1<'py, u64>,
+) -> PyResult<Bound<'py, PyArray1<u64>>> {
+    let rows = arena_rows(&src, &dst, &lengths, &row_start, &value_addr, &value_len)?;
+    // SAFETY: the arena's contract (see the docstring): live, non-overlapping regions.
+    let digests = py.detach(|| unsafe { crate::regions::save_rows(&rows) });
+    Ok(PyArray1::from_vec(py, digests))
+}
+
+/// `_load_rows(src, dst, lengths, row_start, value_addr, value_len, expected) -> numpy bool`:
+/// XXH3-64 each row's value region and copy the row only when it equals `expected`; GIL
+/// released. Same contract as `_save_rows`.
+#[pyfunction]
+#[allow(clippy::too_many_arguments)]
+fn _load_rows<'py>(
+    py: Python<'py>,
+    src: PyReadonlyArray1<'py, u64>,
+    dst: PyReadonlyArray1<'py, u64>,
+    lengths: PyReadonlyArray1<'py, u64>,
+    row_start: PyReadonlyArray1<'py, u64>,
+    value_addr: PyReadonlyArray1<'py, u64>,
+    value_len: PyReadonlyArray1<'py, u64>,
+    expected: PyReadonlyArray1<'py, u64>,
+) -> PyResult<Bound<'py, PyArray1<bool>>> {
+    let rows = arena_rows(&src, &dst, &lengths, &row_start, &value_addr, &value_len)?;
+    let expected = region_slice(&expected)?;
+    same_lengths(&[rows.value_addr, expected])?;
+    // SAFETY: as `_save_rows`.
+    let ok = py.detach(|| unsafe { crate::regions::load_rows(&rows, expected) });
+    Ok(PyArray1::from_vec(py, ok))
+}
+
+/// `_xxh3_64_regions(addrs, lengths) -> numpy.ndarray[uint64]`: the XXH3-64 of each raw region,
+/// with the GIL released. Same contract as `_save_rows`.
+#[pyfunction]
+fn _xxh3_64_regions<'py>(
+    py: Python<'py>,
+    addrs: PyReadonlyArray1<'py, u64>,
+    lengths: PyReadonlyArray1<'py, u64>,
+) -> PyResult<Bound<'py, PyArray1<u64>>> {
+    let (a, l) = (region_slice(&addrs)?, region_slice(&lengths)?);
+    same_lengths(&[a, l])?;
+    // SAFETY: as `_save_rows`.
+    let digests = py.detach(|| unsafe { crate::regions::xxh3_regions(a, l) });
+    Ok(PyArray1::from_vec(py, digests))
+}
+
 #[pymodule]
 fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<BlockHasher>()?;
@@ -1225,6 +1328,9 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(dedup_gets, m)?)?;
     m.add_function(wrap_pyfunction!(xxh3_64_parts, m)?)?;
     m.add_function(wrap_pyfunction!(xxh3_64_batch, m)?)?;
+    m.add_function(wrap_pyfunction!(_save_rows, m)?)?;
+    m.add_function(wrap_pyfunction!(_load_rows, m)?)?;
+    m.add_function(wrap_pyfunction!(_xxh3_64_regions, m)?)?;
     m.add("HASH_ALGOS", HashAlgo::NAMES.to_vec())?;
     m.add("GROUP_KINDS", GroupKind::NAMES.to_vec())?;
     Ok(())

@@ -23,8 +23,8 @@ from vllm import LLM  # noqa: E402
 
 import kvstride.vllm as kv_vllm  # noqa: E402
 import vllm_harness as harness  # noqa: E402
-from kvstride.stores import EmbeddedStore, Status  # noqa: E402
-from kvstride.transfer import Transfer  # noqa: E402
+from kvstride.arena import HostArena  # noqa: E402
+from kvstride.stores import MooncakeStore, Status  # noqa: E402
 from mooncake_fixture import mooncake_master  # noqa: E402,F401
 
 MODELS = list(harness.MODELS)
@@ -80,7 +80,7 @@ def _run_with_connector(model_dirs, name, store, **observe):
             before[0] = sched.matched_tokens
 
         out = harness.scenario(llm, after=hit_of)
-        return out, hits, dict(worker.engine.counters)
+        return out, hits, dict(worker.counters)
     finally:
         harness.close(llm)
         kv_vllm.drop_shared_stores()
@@ -110,22 +110,21 @@ def test_bit_identical_with_hits(model_dirs, plain_outputs, store_for, name):
 
 
 def _perturb_group_on_load(monkeypatch, group: int) -> list:
-    """Every block of ``group`` that a load writes gets its bytes reversed afterwards."""
-    original = Transfer.scatter
+    """Every block of ``group`` that an arena load writes gets its bytes reversed afterwards."""
+    original = HostArena.load
     perturbed = []
 
-    def scatter(self, batch, ok=None):
-        fence = original(self, batch, ok)
-        fence.wait()
-        for run in batch.runs:
-            if run.group != group:
-                continue
-            for view in self._views[group]:
-                view.index_copy_(0, run.ids, view.index_select(0, run.ids).flip(-1))
-            perturbed.extend(run.ids.tolist())
-        return fence
+    def load(self, slots, groups, block_ids):
+        ok = original(self, slots, groups, block_ids)
+        ids = torch.tensor([b for g, b in zip(groups, block_ids) if g == group], dtype=torch.int64)
+        if len(ids):
+            for piece in range(len(self.layout.groups[group].pieces)):
+                kv, _ = self._piece_views(group, piece)
+                kv.index_copy_(0, ids, kv.index_select(0, ids).flip(-1))
+            perturbed.extend(ids.tolist())
+        return ok
 
-    monkeypatch.setattr(Transfer, "scatter", scatter)
+    monkeypatch.setattr(HostArena, "load", load)
     return perturbed
 
 
@@ -147,42 +146,64 @@ def test_negative_control_wrong_load_is_caught(model_dirs, plain_outputs, monkey
 # ---- failures: recomputed, never raised into vLLM -------------------------------------------
 
 
-class _FailingGets:
-    """Make the store's gets fail in one way once armed (the store itself stays real)."""
+class _FailingLoads:
+    """Make loads fail in one way once armed; the store itself stays real. Embedded: the
+    arena's slots (a flipped byte that the digest catches, or an exception in the copy);
+    Mooncake: the store's answers (unavailable, a value evicted or corrupted after the
+    lookup, an exception)."""
 
-    def __init__(self, monkeypatch, cls, how: str) -> None:
+    def __init__(self, monkeypatch, store: str, how: str) -> None:
         self.armed = False
         self.calls = 0
-        original = cls.get
+        if store == "embedded":
+            original = HostArena.load
+
+            def load(arena, slots, groups, block_ids):
+                if self.armed:
+                    self.calls += 1
+                    if how == "raise":
+                        raise RuntimeError("arena exploded")
+                    arena.buffer[int(slots[-1]) * arena.slot_bytes] ^= 0xFF
+                return original(arena, slots, groups, block_ids)
+
+            monkeypatch.setattr(HostArena, "load", load)
+            return
+        original = MooncakeStore.get
 
         def get(store, keys, buffers):
             if not self.armed:
                 return original(store, keys, buffers)
             self.calls += 1
+            keys = list(keys)
             if how == "raise":
                 raise RuntimeError("store exploded")
-            if how == "corrupt":  # a stored byte flipped after the lookup: the verified read sees it
-                value = store._data.get(list(keys)[-1])
-                if value is not None:
-                    value[-1] ^= 0xFF
-                return original(store, keys, buffers)
-            if how == "evicted":  # the value went between lookup and load
-                store.remove(list(keys)[:1])
-                return original(store, keys, buffers)
-            return [Status.UNAVAILABLE] * len(keys)
+            if how == "unavailable":
+                return [Status.UNAVAILABLE] * len(keys)
+            if how == "evicted":
+                store.remove(keys[-1:])
+            if how == "corrupt":  # overwritten under the same key: the verified read sees it
+                statuses = original(store, keys, buffers)
+                return statuses[:-1] + [Status.CORRUPT]
+            return original(store, keys, buffers)
 
-        monkeypatch.setattr(cls, "get", get)
+        monkeypatch.setattr(MooncakeStore, "get", get)
+
+
+FAULTS = [("embedded", "corrupt"), ("embedded", "raise")] + [
+    ("mooncake", how) for how in ("unavailable", "evicted", "raise")
+]
 
 
 @pytest.mark.parametrize("name", ["gemma3", "qwen3_next"])
-@pytest.mark.parametrize("how", ["unavailable", "raise", "corrupt", "evicted"])
-def test_failed_load_on_multi_group_model_is_recomputed(model_dirs, plain_outputs, monkeypatch, name, how):
+@pytest.mark.parametrize("store,how", FAULTS)
+def test_failed_load_on_multi_group_model_is_recomputed(model_dirs, plain_outputs, monkeypatch, request, name, store, how):
     """vLLM 0.32 stops on block-level load errors for models with several KV-cache groups; a
-    failed asynchronous load goes out as ``failed_recving``: vLLM recomputes, same output."""
-    faults = _FailingGets(monkeypatch, EmbeddedStore, how)
+    failed asynchronous load goes out as ``failed_recving``: vLLM recomputes, same output,
+    the failure counted once."""
+    faults = _FailingLoads(monkeypatch, store, how)
+    master = request.getfixturevalue("mooncake_master") if store == "mooncake" else None
     llm = LLM(**harness.engine_kwargs(
-        harness.MODELS[name], model_dirs[name],
-        connector={"store": "embedded", "store_name": f"fail-{name}-{how}-{os.getpid()}"},
+        harness.MODELS[name], model_dirs[name], connector=_store_config(store, master, f"fail-{name}-{how}-{os.getpid()}"),
     ))
     try:
         sched, worker = _connectors(llm)
@@ -194,7 +215,7 @@ def test_failed_load_on_multi_group_model_is_recomputed(model_dirs, plain_output
         faults.armed = False
         harness.drain_and_forget(llm, 2)
         got["repeat"] = harness.generate(llm, p1)  # the store is still good for the rest
-        counters = dict(worker.engine.counters)
+        counters = dict(worker.counters)
     finally:
         harness.close(llm)
         kv_vllm.drop_shared_stores()

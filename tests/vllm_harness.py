@@ -148,6 +148,8 @@ def engine_kwargs(model: Model, path: str, *, connector: Optional[dict] = None, 
         max_model_len=1024, block_size=32, seed=0, enable_prefix_caching=True,
         max_num_batched_tokens=model.block_size, prefix_cache_retention_interval=None,
         distributed_executor_backend=backend, kv_cache_memory_bytes=32 << 20, max_num_seqs=4,
+        # Block hashes that agree across engines and processes (a shared store needs them).
+        prefix_caching_hash_algo="sha256_cbor",
     )
     kw.update(model.kwargs())
     if connector is not None:
@@ -241,3 +243,17 @@ def close(llm) -> None:
     llm.llm_engine.engine_core.shutdown()
     del llm
     gc.collect()
+
+
+# ---- servers (tests/test_vllm_serve.py) ------------------------------------------------------
+
+
+class KVRandomizer:
+    """A vLLM worker extension (``--worker-extension-cls vllm_harness.KVRandomizer``) that
+    makes the forced miss's overwrite reachable from outside a server: ``POST /collective_rpc``
+    with ``{"method": "randomize_kv_cache", "args": ["<seed>"]}`` (the dev endpoints, env
+    ``VLLM_SERVER_DEV_MODE=1``, pass arguments as strings) runs :func:`randomize_kv` in every
+    worker and answers ``{"results": ["<bytes written>", ...]}``."""
+
+    def randomize_kv_cache(self, seed) -> int:
+        return randomize_kv(self, int(seed))

@@ -403,6 +403,8 @@ class OffloadEngine:
             return set()
 
     def _in_layout(self, group: int, block_id: int) -> bool:
+        if self.transfer.layout is None:  # planning without KV tensors: the worker checks
+            return block_id > 0
         groups = self.transfer.layout.groups
         return 0 <= group < len(groups) and 0 < block_id < groups[group].num_blocks
 
@@ -435,18 +437,20 @@ class OffloadEngine:
             yield entries[start:end], batch
             start = end
 
-    def _stage_saves(self, job: _SaveJob) -> None:
-        """Plan ``job``'s saves with the core, drop keys the store has (one existence call),
-        and copy the remaining blocks into staging."""
-        start_time = time.perf_counter()
+    def plan_saves(self, saves: Sequence[SaveRequest], states: Sequence["_RequestState"], known):
+        """The core's plans for ``saves`` (normal save and partial tail) from each request's
+        planned offset, minus keys ``known(keys)`` says are stored; advances the planned offsets.
+        Returns (entries [(key, group, block_id)], owners {key: [req ids]}, ends, failed req ids)."""
         planner = self.planner
         entries: List[Tuple[str, int, int]] = []
-        owners = job.owners
-        for index, (save, state) in enumerate(zip(job.saves, job.states)):
+        owners: Dict[str, List[str]] = {}
+        ends: List[int] = []
+        failed: set = set()
+        for save, state in zip(saves, states):
             with self._lock:
                 offset = state.planned
             plan = planner.plan_save(save.block_hashes, save.block_ids, save.num_tokens, saved_offset=offset)
-            job.ends[index] = plan.end
+            ends.append(plan.end)
             puts = list(plan.puts)
             if save.handoffs:
                 tail = planner.plan_tail(save.block_hashes, save.block_ids, save.handoffs, saved_offset=offset)
@@ -463,7 +467,7 @@ class OffloadEngine:
                 if not self._in_layout(group, block_id):  # a table naming blocks we do not have
                     self._count("save_bad_block")
                     self._log_once("save-bad-block", "request %s: block %d of group %d is not in the KV cache", save.req_id, block_id, group)
-                    job.failed.add(save.req_id)
+                    failed.add(save.req_id)
                     continue
                 if key not in owners:
                     owners[key] = []
@@ -471,15 +475,26 @@ class OffloadEngine:
                 if save.req_id not in owners[key]:
                     owners[key].append(save.req_id)
         with self._lock:
-            for save, state, end in zip(job.saves, job.states, job.ends):
-                if save.req_id not in job.failed:
+            for save, state, end in zip(saves, states, ends):
+                if save.req_id not in failed:
                     state.planned = max(state.planned, end)
         if entries:
-            present = [bool(p) for p in self.store.exists([key for key, _, _ in entries])]
+            present = [bool(p) for p in known([key for key, _, _ in entries])]
             if len(present) != len(entries):  # a short answer: put everything (puts are idempotent)
                 present = [False] * len(entries)
             self._count("put_skipped_present", sum(present))
             entries = [e for e, p in zip(entries, present) if not p]
+        return entries, owners, ends, failed
+
+    def request_states(self, req_ids: Sequence[str]) -> List["_RequestState"]:
+        with self._lock:
+            return [self._requests.setdefault(rid, _RequestState()) for rid in req_ids]
+
+    def _stage_saves(self, job: _SaveJob) -> None:
+        """Plan ``job``'s saves with the core, drop keys the store has (one existence call),
+        and copy the remaining blocks into staging."""
+        start_time = time.perf_counter()
+        entries, job.owners, job.ends, job.failed = self.plan_saves(job.saves, job.states, self.store.exists)
         for batch_entries, batch in self._batches(entries, wait=True):
             job.batches.append((batch_entries, batch, self.transfer.gather(batch)))
         self._time("save_stage", time.perf_counter() - start_time)

@@ -1,63 +1,66 @@
-"""vLLM KV connector: a thin driver of :class:`kvstride.engine.OffloadEngine`.
+"""vLLM KV connector over kvstride's core.
 
 Use it with::
 
     KVTransferConfig(kv_connector="KVStrideConnector", kv_connector_module_path="kvstride.vllm",
                      kv_role="kv_both", kv_load_failure_policy="recompute",
-                     kv_connector_extra_config={"store": "embedded", "store_name": "default"})
+                     kv_connector_extra_config={"store": "embedded"})
 
-``kv_connector_extra_config``:
+``kv_connector_extra_config`` (README.md lists every key):
 
-- ``store``: ``"embedded"`` (default: an in-process store, shared by every connector of this
-  process that names the same ``store_name`` and has the same layout fingerprint) or
-  ``"mooncake"`` with ``mooncake_master`` = ``"host:port"``;
-- ``store_bytes`` (embedded capacity, default 1 GiB), ``staging_bytes`` (default 64 MiB),
-  ``model_id`` (the key namespace's model part, default the model path), ``cache_prefix``.
+- ``store``: ``"embedded"`` (default) keeps the bytes in the workers' host memory, in one
+  arena of fixed-size slots per rank (``store_bytes``, default 1 GiB), with the index in the
+  scheduler (``kvstride.arena``): it works in every process layout vLLM uses (``uni``,
+  ``mp``, ``vllm serve``, TP), within one engine. ``"mooncake"`` is a Mooncake store shared by
+  engines and restarts, configured like vLLM's MooncakeStoreConnector (``MOONCAKE_CONFIG_PATH``;
+  ``mooncake_*`` keys override it; ``kvstride store serve`` runs a long-lived one);
+- ``staging_bytes`` (Mooncake staging, default 64 MiB), ``model_id`` (the key namespace's
+  model part, default the model path), ``cache_prefix``.
 
-The connector never derives a key or a boundary: the scheduler side hands vLLM's request
-block hashes to ``OffloadEngine.lookup`` and records the allocated per-group block ids; the
-worker side hands the same hashes and block ids to ``OffloadEngine.submit`` and reports what
-``get_finished`` returns (failed loads as block ids vLLM recomputes). The planner comes from
-vLLM's ``kv_cache_config`` groups through :class:`kvstride.GroupSpec` and
-:func:`kvstride.resolve_block_sizes`.
+The connector never derives a key or a boundary: vLLM's request block hashes and per-group
+block ids go to the core's planner (through :class:`kvstride.engine.OffloadEngine`).
 
-Loads are synchronous (``get_num_new_matched_tokens`` returns ``(n, False)``; ``start_load_kv``
-waits for the load job). Saves run on the engine's worker while the request runs; a request
-that saved anything keeps its blocks (``request_finished`` returns True) until the worker
-drained its save jobs, so a freed block is never read by a save.
+Loads are asynchronous: ``get_num_new_matched_tokens`` returns ``(n, True)``, vLLM parks the
+request until the worker reports the load in ``finished_recving``, so every group's state
+(Mamba included) is in place before the request's first forward. A synchronous load would
+land after vLLM's ``preprocess_mamba`` has already copied the hit-state block into the
+running state (``gpu_model_runner.py``: ``preprocess_mamba`` runs before the step's
+``start_load_kv``), which is how Mamba / conv state used to load wrong. A failed load is
+reported in ``failed_recving`` (vLLM 0.32 takes that for every model; block-level errors stop
+it on multi-group models) and vLLM recomputes the request; no hit is claimed again for it.
 
-Nothing raises into vLLM's step: errors become misses, failed block ids or skipped saves.
-Configuration that cannot work raises at construction.
+Saves copy their blocks out of the KV cache within the step that computed them (vLLM
+guarantees a hand-off block or a block leaving a sliding window only until the end of that
+step: ``single_type_kv_cache_manager.py``, ``pop_blocks_for_free``); the store puts run later
+on the engine's save lane, so no step waits for another request's saves and a finished
+request's blocks are free at once. Mamba ``align`` state is stored only from vLLM's
+boundary-state hand-offs (``kv_connector_block_state.boundary_state_offloads`` each step, and
+``register_finished_partial_tail`` at a request's end, whose blocks vLLM keeps until
+``finished_sending``), never read positionally from a block table vLLM mutates in place.
 
-Limits: the embedded store is per process, so the scheduler and the worker must share one
-(``distributed_executor_backend="uni"``); use Mooncake otherwise. vLLM's block hashes start
-from a seed that is random per process unless ``PYTHONHASHSEED`` is set: two processes share
-hits only when it is. Loads are synchronous.
-
-Mamba ``align`` boundary states: vLLM hands them over as ``(group, block_id, boundary)``
-tuples (``scheduler_output.kv_connector_block_state.boundary_state_offloads`` each step, and
-``register_finished_partial_tail`` at a request's end); they go to the engine unchanged as
-``SaveRequest.handoffs``, one save per boundary. Hand-offs of requests finished or preempted in
-that step are dropped. A step whose saves carry hand-offs waits for them in ``wait_for_save``
-(vLLM does not keep those blocks for the request). vLLM 0.32 cannot take block-level load
-failures for models with several KV-cache groups (it raises in ``_handle_invalid_blocks``), so
-a failed load on such a model stops the engine.
+Nothing raises into vLLM's step: errors become misses, recomputed loads or skipped saves,
+each counted (``KVConnectorStats``, Prometheus ``vllm:kvstride_*``) and logged once.
+Configuration that cannot work raises ``ValueError`` at construction.
 """
 
 from __future__ import annotations
 
+import collections
 import logging
 import threading
 import time
 import types
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Tuple
 
 import kvstride
+from kvstride.arena import HostArena, SlotIndex, slots_for
 from kvstride.engine import LoadRequest, OffloadEngine, SaveRequest
 from kvstride.layout import KVLayout
-from kvstride.stores import EmbeddedStore, KVStore
+from kvstride.stores import KVStore
 from kvstride.transfer import StagingPool, Transfer
+from kvstride.vllm_checks import check_reproducible_hashes
 from kvstride.vllm_stats import KVStridePromMetrics, KVStrideStats, stats_delta
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
@@ -65,6 +68,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorMetadata,
     KVConnectorRole,
     KVConnectorTransferResults,
+    KVConnectorWorkerMetadata,
     SupportsHMA,
 )
 
@@ -158,11 +162,63 @@ def _fingerprint(vllm_config, kv_cache_config, groups) -> str:
 
 
 @dataclass
+class ArenaCopy:
+    """Blocks to copy between the KV cache and arena slots: parallel lists, one entry per
+    block. A load that the scheduler could not plan has ``failed`` set (the worker reports
+    it, so vLLM recomputes the request)."""
+
+    slots: List[int] = field(default_factory=list)
+    groups: List[int] = field(default_factory=list)
+    block_ids: List[int] = field(default_factory=list)
+    failed: bool = False
+
+
+@dataclass
 class KVStrideMetadata(KVConnectorMetadata):
-    loads: List[LoadRequest] = field(default_factory=list)
+    loads: List[LoadRequest] = field(default_factory=list)  # worker-planned (Mooncake)
     saves: List[SaveRequest] = field(default_factory=list)
     preempted: List[str] = field(default_factory=list)
     finished_tails: List[str] = field(default_factory=list)  # finished req ids saved this step
+    arena_loads: Dict[str, ArenaCopy] = field(default_factory=dict)  # req id -> copy (embedded)
+    arena_saves: Dict[int, ArenaCopy] = field(default_factory=dict)  # save job id -> copy
+
+
+@dataclass
+class KVStrideWorkerMetadata(KVConnectorWorkerMetadata):
+    """Worker -> scheduler: per arena save job, [ranks that wrote it, ranks that failed]; and
+    the slots whose value a load found corrupted (the scheduler forgets them)."""
+
+    saves: Dict[int, List[int]] = field(default_factory=dict)
+    corrupt_slots: List[int] = field(default_factory=list)
+
+    def aggregate(self, other: "KVStrideWorkerMetadata") -> "KVStrideWorkerMetadata":
+        merged = {job: list(counts) for job, counts in self.saves.items()}
+        for job, (ok, bad) in other.saves.items():
+            counts = merged.setdefault(job, [0, 0])
+            counts[0] += ok
+            counts[1] += bad
+        return KVStrideWorkerMetadata(merged, self.corrupt_slots + other.corrupt_slots)
+
+
+@dataclass
+class _ArenaSaveJob:
+    keys: List[str]
+    owners: Dict[str, List[str]]
+    saves: List[SaveRequest]
+    states: list
+    ends: List[int]
+    failed: set  # req ids whose save is already known to be incomplete
+    ok: int = 0  # ranks that wrote every slot
+    bad: int = 0  # ranks that failed
+
+
+def arena_slot_bytes(kv_cache_config) -> int:
+    """An upper bound of one block's bytes on one rank, over every group: what the scheduler
+    sizes the arena's slots by (each worker's slots are at most this large)."""
+    sizes = [
+        int(g.kv_cache_spec.page_size_bytes) * len(g.layer_names) for g in kv_cache_config.kv_cache_groups
+    ]
+    return max(sizes)
 
 
 @dataclass
@@ -199,8 +255,30 @@ class KVStrideConnector(KVConnectorBase_V1, SupportsHMA):
             tp_rank=int(getattr(pc, "rank", 0) or 0) % max(1, int(getattr(pc, "tensor_parallel_size", 1) or 1)),
         )
         self.planner = kvstride.KeyPlanner(groups, hash_block_size=H, scheduler_block_size=S, namespace=namespace)
-        self.store = self._make_store(extra, bytes.fromhex(fp))
+        # The embedded store is the arena: the scheduler's index, the workers' slots.
+        self.arena_mode = str(extra.get("store", "embedded")) == "embedded"
+        if self.arena_mode:
+            self.store = None
+            self.num_slots = slots_for(int(extra.get("store_bytes", 1 << 30)), arena_slot_bytes(kv_cache_config))
+        else:
+            # Engines share what they store: their block hashes must agree.
+            check_reproducible_hashes(vllm_config, shared=True)
+            self.store = self._make_store(extra, bytes.fromhex(fp))
         self.engine: Optional[OffloadEngine] = None
+        self.world_size = max(1, int(getattr(pc, "world_size", 1) or 1))
+        # scheduler side, arena
+        self.index: Optional[SlotIndex] = None
+        self._load_pins: Dict[str, List[int]] = {}  # req id -> slots pinned for its load
+        self._arena_jobs: Dict[int, _ArenaSaveJob] = {}
+        self._next_job = 0
+        # worker side, arena
+        self.arena: Optional[HostArena] = None
+        self._arena_counters: collections.Counter = collections.Counter()
+        self._arena_seconds: collections.Counter = collections.Counter()
+        self._arena_loader: Optional[ThreadPoolExecutor] = None
+        self._arena_inflight: Dict[str, Future] = {}
+        self._arena_reports: Dict[int, List[int]] = {}
+        self._corrupt_slots: List[int] = []
         # scheduler side
         self._sreqs: Dict[str, _SchedReq] = {}
         self._local: Dict[str, int] = {}
@@ -215,34 +293,43 @@ class KVStrideConnector(KVConnectorBase_V1, SupportsHMA):
         self._stats_last: dict = {}  # the engine counters last reported to vLLM
         self.matched_tokens = 0  # external tokens reported to vLLM (scheduler side)
         if role == KVConnectorRole.SCHEDULER:
-            # Lookups need only the planner and the store: no KV tensors on this side.
+            # Lookups (and, for the arena, save plans) need only the planner and the index or
+            # store: no KV tensors on this side.
+            if self.arena_mode:
+                self.index = SlotIndex(self.num_slots)
+            store = self.index if self.arena_mode else self.store
             self.engine = OffloadEngine(
-                self.planner, types.SimpleNamespace(pool=None, layout=None), self.store, name="kvstride-sched"
+                self.planner, types.SimpleNamespace(pool=None, layout=None), store, name="kvstride-sched"
             )
 
     # ---- shared ----------------------------------------------------------------------------
 
     @staticmethod
     def _make_store(extra: dict, fingerprint: bytes) -> KVStore:
-        kind = str(extra.get("store", "embedded"))
-        name = str(extra.get("store_name", "default"))
-        if kind == "embedded":
-            capacity = int(extra.get("store_bytes", 1 << 30))
-            return shared_store(name, fingerprint, lambda: EmbeddedStore(capacity, fingerprint=fingerprint))
-        if kind == "mooncake":
-            from kvstride.stores import MooncakeStore
+        """The Mooncake client, configured the way vLLM's MooncakeStoreConnector is
+        (``MOONCAKE_CONFIG_PATH``), explicit ``mooncake_*`` keys overriding the file."""
+        kind = str(extra.get("store"))
+        if kind != "mooncake":
+            raise ValueError(f"unknown kvstride store {kind!r}; use 'embedded' (the default) or 'mooncake'")
+        from kvstride.mooncake_config import resolve_client_config
+        from kvstride.stores import MooncakeStore
 
-            master = extra.get("mooncake_master")
-            if not master:
-                raise ValueError("store 'mooncake' needs kv_connector_extra_config['mooncake_master'] = 'host:port'")
-            return shared_store(
-                f"mooncake:{master}:{name}", fingerprint, lambda: MooncakeStore(str(master), fingerprint=fingerprint)
-            )
-        raise ValueError(f"unknown kvstride store {kind!r}; use 'embedded' or 'mooncake'")
+        config = resolve_client_config(extra)
+        name = f"mooncake:{config.master_server_address}:{extra.get('store_name', 'default')}"
+        return shared_store(name, fingerprint, lambda: MooncakeStore.from_config(config, fingerprint=fingerprint))
 
     # ---- stats (both roles: lookups count on the scheduler, transfers on the workers) ---------
 
+    @property
+    def counters(self) -> collections.Counter:
+        """What this side counted: its engine's counters, or the worker's arena copies."""
+        if self.arena is not None:
+            return self._arena_counters
+        return self.engine.counters if self.engine is not None else collections.Counter()
+
     def get_kv_connector_stats(self) -> Optional[KVStrideStats]:
+        if self.arena is not None:
+            return stats_delta(self._arena_counters, self._arena_seconds, self._stats_last)
         if self.engine is None:
             return None
         return stats_delta(self.engine.counters, self.engine.seconds, self._stats_last)
@@ -256,6 +343,9 @@ class KVStrideConnector(KVConnectorBase_V1, SupportsHMA):
         return KVStridePromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def shutdown(self) -> None:
+        loader, self._arena_loader = self._arena_loader, None
+        if loader is not None:
+            loader.shutdown(wait=True)
         engine, self.engine = self.engine, None
         if engine is not None:
             try:
@@ -301,6 +391,12 @@ class KVStrideConnector(KVConnectorBase_V1, SupportsHMA):
     def update_connector_output(self, connector_output) -> None:
         for rid in connector_output.finished_recving or ():
             self._loading.discard(rid)
+            if self.index is not None:
+                self.index.unpin(self._load_pins.pop(rid, ()))
+        meta = getattr(connector_output, "kv_connector_worker_meta", None)
+        if isinstance(meta, KVStrideWorkerMetadata):
+            self._arena_saves_reported(meta.saves)
+            self.index.drop_slots(meta.corrupt_slots)
         # vLLM asks again after a failed load; a store that failed once is not trusted for the
         # same request (the retry could fail the same way, forever).
         self._recompute.update(connector_output.failed_recving or ())
@@ -311,8 +407,13 @@ class KVStrideConnector(KVConnectorBase_V1, SupportsHMA):
     def build_connector_meta(self, scheduler_output) -> KVStrideMetadata:
         meta = KVStrideMetadata(loads=list(self._pending_loads.values()))
         self._pending_loads.clear()
+        if self.index is not None:  # pin the loads' slots before any save can evict one
+            meta.arena_loads = {load.req_id: self._plan_arena_load(load) for load in meta.loads}
+            meta.loads = []
         try:
             self._build_saves(scheduler_output, meta)
+            if self.index is not None:
+                self._plan_arena_saves(meta)
         except Exception as err:  # saves are best effort; loads must go out
             log.warning("kvstride: this step's saves were skipped: %r", err)
             meta.saves = []
@@ -320,6 +421,76 @@ class KVStrideConnector(KVConnectorBase_V1, SupportsHMA):
             meta.finished_tails = sorted(set(meta.finished_tails) | set(self._finished_tails))
             self._finished_tails.clear()
         return meta
+
+    # ---- the arena, scheduler side ----------------------------------------------------------
+
+    def _plan_arena_load(self, load: LoadRequest) -> ArenaCopy:
+        try:
+            plan = self.planner.plan_load(
+                load.block_hashes, load.block_ids, load.hit_tokens, local_tokens=load.local_tokens
+            )
+            slots = None if plan.missing else self.index.pin([key for key, _, _ in plan.gets])
+            if slots is None:
+                self.engine._count("load_missing_destination" if plan.missing else "load_not_ready")
+                return ArenaCopy(failed=True)
+            self._load_pins[load.req_id] = slots
+            return ArenaCopy(slots, [g for _, g, _ in plan.gets], [b for _, _, b in plan.gets])
+        except Exception as err:
+            log.warning("kvstride: load of %s could not be planned, it is recomputed: %r", load.req_id, err)
+            return ArenaCopy(failed=True)
+
+    def _plan_arena_saves(self, meta: KVStrideMetadata) -> None:
+        """The step's saves planned here (the index knows what is stored), each new key given
+        a slot; workers only copy. A key without a free or evictable slot is not stored."""
+        saves, meta.saves = meta.saves, []
+        if not saves:
+            return
+        states = self.engine.request_states([save.req_id for save in saves])
+        entries, owners, ends, failed = self.engine.plan_saves(saves, states, self.index.known)
+        keys = [key for key, _, _ in entries]
+        slots = self.index.reserve(keys)
+        kept = [(e, s) for e, s in zip(entries, slots) if s is not None]
+        if len(kept) < len(entries):
+            self.engine._count("put_full", len(entries) - len(kept))
+            failed.update(rid for (key, _, _), s in zip(entries, slots) if s is None for rid in owners[key])
+        job = _ArenaSaveJob([e[0] for e, _ in kept], owners, saves, states, ends, failed)
+        for save, state in zip(saves, states):
+            if save.req_id in failed:
+                state.planned = state.offset  # the next step plans the missing blocks again
+        if not kept:
+            self._finish_arena_job(job, failed)
+            return
+        job_id = self._next_job = self._next_job + 1
+        self._arena_jobs[job_id] = job
+        meta.arena_saves[job_id] = ArenaCopy([s for _, s in kept], [e[1] for e, _ in kept], [e[2] for e, _ in kept])
+
+    def _arena_saves_reported(self, reports: Dict[int, List[int]]) -> None:
+        for job_id, (ok, bad) in reports.items():
+            job = self._arena_jobs.get(job_id)
+            if job is None:
+                continue
+            job.ok += ok
+            job.bad += bad
+            if job.ok + job.bad < self.world_size:
+                continue
+            del self._arena_jobs[job_id]
+            if job.bad:
+                self.index.abandon(job.keys)
+                self.engine._count("put_error", len(job.keys))
+                job.failed.update(rid for key in job.keys for rid in job.owners[key])
+            else:
+                self.index.confirm(job.keys)
+                self.engine._count("put_ok", len(job.keys))
+            self._finish_arena_job(job, job.failed)
+
+    def _finish_arena_job(self, job: _ArenaSaveJob, failed: set) -> None:
+        for save, state, end in zip(job.saves, job.states, job.ends):
+            if save.req_id in failed:
+                state.planned = state.offset
+                self.engine._count("saves_failed")
+            else:
+                state.offset = max(state.offset, end)
+                self.engine._count("saves_ok")
 
     def _build_saves(self, so, meta: KVStrideMetadata) -> None:
         for rid in so.preempted_req_ids or ():
@@ -427,6 +598,8 @@ class KVStrideConnector(KVConnectorBase_V1, SupportsHMA):
         self._local.pop(rid, None)
         self._sreqs.pop(rid, None)
         self._recompute.discard(rid)
+        if self.index is not None:
+            self.engine.finish_request(rid)
         if self._pending_loads.pop(rid, None) is not None:  # never sent: nothing writes them
             self._loading.discard(rid)
         return rid in self._loading, None
@@ -439,6 +612,10 @@ class KVStrideConnector(KVConnectorBase_V1, SupportsHMA):
     def register_kv_caches(self, kv_caches) -> None:
         cfg = self._kv_cache_config
         layout = KVLayout(kv_caches, [list(g.layer_names) for g in cfg.kv_cache_groups], num_blocks=int(cfg.num_blocks))
+        if self.arena_mode:
+            self.arena = HostArena(layout, self.num_slots)
+            self._arena_loader = ThreadPoolExecutor(1, thread_name_prefix="kvstride-arena-load")
+            return
         pool = StagingPool(int(self._extra.get("staging_bytes", 64 << 20)))
         try:
             pool.register(self.store.register_buffer)
@@ -453,7 +630,11 @@ class KVStrideConnector(KVConnectorBase_V1, SupportsHMA):
             meta = self._get_connector_metadata()
         except Exception:
             return
-        if not isinstance(meta, KVStrideMetadata) or not meta.loads:
+        if not isinstance(meta, KVStrideMetadata):
+            return
+        for rid, copy in meta.arena_loads.items():
+            self._start_arena_load(rid, copy)
+        if not meta.loads:
             return
         if self.engine is None:
             log.warning("kvstride: no KV caches registered; %d loads are recomputed", len(meta.loads))
@@ -472,12 +653,16 @@ class KVStrideConnector(KVConnectorBase_V1, SupportsHMA):
         them before ``submit`` returns); their store puts run on the save lane."""
         try:
             meta = self._get_connector_metadata()
-            if not isinstance(meta, KVStrideMetadata) or not meta.saves:
+            if not isinstance(meta, KVStrideMetadata):
+                return
+            for job_id, copy in meta.arena_saves.items():
+                self._arena_save(job_id, copy)
+            self._tails_staged.update(meta.finished_tails)
+            if not meta.saves:
                 return
             if self.engine is None:
                 raise RuntimeError("no KV caches registered")
             self.engine.submit(saves=meta.saves)
-            self._tails_staged.update(meta.finished_tails)
         except Exception as err:
             log.warning("kvstride: this step's saves were skipped: %r", err)
             self._tails_staged.update(getattr(meta, "finished_tails", ()))
@@ -499,6 +684,10 @@ class KVStrideConnector(KVConnectorBase_V1, SupportsHMA):
                 got = self.engine.get_finished()
                 results.finished_recving.update(got.loads_done)
                 failed.update(got.loads_failed)
+            for rid, ok in self._arena_loads_done():
+                results.finished_recving.add(rid)
+                if not ok:
+                    failed.add(rid)
             results.finished_recving.update(failed)
             results.failed_recving.update(failed)
             ready = self._tails_staged & self._finished_seen
@@ -517,6 +706,66 @@ class KVStrideConnector(KVConnectorBase_V1, SupportsHMA):
     def get_finished(self, finished_req_ids):
         results = self.get_transfer_results(finished_req_ids)
         return results.finished_sending or None, results.finished_recving or None
+
+    # ---- the arena, worker side -------------------------------------------------------------
+
+    def _arena_save(self, job_id: int, copy: ArenaCopy) -> None:
+        """Copy the blocks into their slots now, within the step (the blocks may be reused
+        after it); the scheduler makes the keys readable once every rank reported."""
+        start = time.perf_counter()
+        try:
+            self.arena.save(copy.slots, copy.groups, copy.block_ids)
+            self._arena_reports[job_id] = [1, 0]
+            self._arena_counters["put_ok"] += len(copy.slots)
+            self._arena_counters["bytes_stored"] += sum(self.arena.layout.block_bytes(g) for g in copy.groups)
+        except Exception as err:
+            log.warning("kvstride: arena save job %d failed: %r", job_id, err)
+            self._arena_reports[job_id] = [0, 1]
+            self._arena_counters["put_error"] += len(copy.slots)
+        self._arena_seconds["put"] += time.perf_counter() - start
+
+    def _start_arena_load(self, rid: str, copy: ArenaCopy) -> None:
+        if copy.failed or self.arena is None:
+            self._load_failed.add(rid)
+            self._arena_counters["loads_failed"] += 1
+            return
+        self._arena_inflight[rid] = self._arena_loader.submit(self._arena_load, copy)
+
+    def _arena_load(self, copy: ArenaCopy) -> bool:
+        start = time.perf_counter()
+        ok = self.arena.load(copy.slots, copy.groups, copy.block_ids)
+        self._arena_seconds["get"] += time.perf_counter() - start
+        self._corrupt_slots.extend(int(s) for s, good in zip(copy.slots, ok) if not good)
+        loaded = int(ok.sum())
+        self._arena_counters["get_ok"] += loaded
+        self._arena_counters["get_corrupt"] += len(ok) - loaded
+        self._arena_counters["bytes_loaded"] += sum(
+            self.arena.layout.block_bytes(g) for g, good in zip(copy.groups, ok) if good
+        )
+        return bool(ok.all())
+
+    def _arena_loads_done(self):
+        """(req id, loaded completely) of every arena load that finished since the last call."""
+        for rid, future in list(self._arena_inflight.items()):
+            if not future.done():
+                continue
+            del self._arena_inflight[rid]
+            try:
+                ok = future.result()
+            except Exception as err:
+                log.warning("kvstride: arena load of %s failed, it is recomputed: %r", rid, err)
+                self._arena_counters["load_job_errors"] += 1
+                yield rid, False
+                continue
+            self._arena_counters["loads_ok" if ok else "loads_failed"] += 1
+            yield rid, ok
+
+    def build_connector_worker_meta(self) -> Optional[KVStrideWorkerMetadata]:
+        if not self._arena_reports and not self._corrupt_slots:
+            return None
+        reports, self._arena_reports = self._arena_reports, {}
+        corrupt, self._corrupt_slots = self._corrupt_slots, []
+        return KVStrideWorkerMetadata(reports, corrupt)
 
     def get_block_ids_with_load_errors(self) -> set:
         return set()  # failures go out as failed_recving, which vLLM takes for every model

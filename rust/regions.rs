@@ -1,0 +1,153 @@
+//! Raw byte regions for the host arena (`kvstride.arena`): one copy per block piece between
+//! the KV cache and an arena slot, fused with the XXH3 digest of the slot (computed while the
+//! slot is still in cache on a save, checked before any byte moves on a load). The caller
+//! computes the addresses from tensors it keeps alive; the work is spread over rayon's threads
+//! once a batch is large enough to pay for it.
+
+use rayon::prelude::*;
+
+/// Below this many bytes in a batch one thread does all of it (thread wake-ups cost more).
+pub const PARALLEL_BYTES: u64 = 1 << 20;
+
+/// XXH3-64 (seed 0) of each region `addr[i]`, `len[i]`.
+///
+/// # Safety
+/// Every region must be readable for its length during the call.
+pub unsafe fn xxh3_regions(addr: &[u64], len: &[u64]) -> Vec<u64> {
+    let hash = |i: usize| {
+        // SAFETY: the caller's contract above.
+        let bytes = unsafe { std::slice::from_raw_parts(addr[i] as *const u8, len[i] as usize) };
+        xxhash_rust::xxh3::xxh3_64(bytes)
+    };
+    let total: u64 = len.iter().sum();
+    if total >= PARALLEL_BYTES && len.len() > 1 {
+        (0..len.len()).into_par_iter().with_max_len(1).map(hash).collect()
+    } else {
+        (0..len.len()).map(hash).collect()
+    }
+}
+
+/// Rows of a batch: row `r` is the regions `row_start[r]..row_start[r + 1]` (copied), and the
+/// value whose digest it keeps: `value_len[r]` bytes at `value_addr[r]` (the arena slot).
+pub struct Rows<'a> {
+    pub src: &'a [u64],
+    pub dst: &'a [u64],
+    pub len: &'a [u64],
+    pub row_start: &'a [u64],
+    pub value_addr: &'a [u64],
+    pub value_len: &'a [u64],
+}
+
+impl Rows<'_> {
+    fn rows(&self) -> usize {
+        self.value_addr.len()
+    }
+
+    /// # Safety
+    /// Every source region of row `r` readable, every destination writable, none overlapping.
+    unsafe fn copy_row(&self, r: usize) {
+        let (a, b) = (self.row_start[r] as usize, self.row_start[r + 1] as usize);
+        for i in a..b {
+            // SAFETY: the caller's contract.
+            unsafe {
+                std::ptr::copy_nonoverlapping(self.src[i] as *const u8, self.dst[i] as *mut u8, self.len[i] as usize)
+            }
+        }
+    }
+
+    /// # Safety
+    /// The value region of row `r` must be readable.
+    unsafe fn digest(&self, r: usize) -> u64 {
+        // SAFETY: the caller's contract.
+        let bytes = unsafe { std::slice::from_raw_parts(self.value_addr[r] as *const u8, self.value_len[r] as usize) };
+        xxhash_rust::xxh3::xxh3_64(bytes)
+    }
+
+    fn parallel(&self) -> bool {
+        self.rows() > 1 && self.value_len.iter().sum::<u64>() >= PARALLEL_BYTES
+    }
+}
+
+/// Save: copy each row into its slot, then hash the slot while it is still in cache.
+///
+/// # Safety
+/// Every source region readable and every destination writable for its length during the
+/// call, no destination overlapping any other region of the batch.
+pub unsafe fn save_rows(rows: &Rows<'_>) -> Vec<u64> {
+    // SAFETY: the caller's contract.
+    let one = |r: usize| unsafe {
+        rows.copy_row(r);
+        rows.digest(r)
+    };
+    if rows.parallel() {
+        (0..rows.rows()).into_par_iter().with_max_len(1).map(one).collect()
+    } else {
+        (0..rows.rows()).map(one).collect()
+    }
+}
+
+/// Load: hash each slot and copy its row out only when the digest is `expected[r]`.
+/// Returns which rows were copied.
+///
+/// # Safety
+/// As `save_rows`.
+pub unsafe fn load_rows(rows: &Rows<'_>, expected: &[u64]) -> Vec<bool> {
+    // SAFETY: the caller's contract.
+    let one = |r: usize| unsafe {
+        let ok = rows.digest(r) == expected[r];
+        if ok {
+            rows.copy_row(r);
+        }
+        ok
+    };
+    if rows.parallel() {
+        (0..rows.rows()).into_par_iter().with_max_len(1).map(one).collect()
+    } else {
+        (0..rows.rows()).map(one).collect()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn digests_match_xxh3_of_each_region() {
+        let data: Vec<u8> = (0..(3usize << 20)).map(|i| (i % 253) as u8).collect();
+        let base = data.as_ptr() as u64;
+        let addr = [base, base + 17, base + (1 << 20)];
+        let len = [0u64, 1000, 2 << 20];
+        let got = unsafe { xxh3_regions(&addr, &len) };
+        let want: Vec<u64> = addr
+            .iter()
+            .zip(len)
+            .map(|(&a, l)| xxhash_rust::xxh3::xxh3_64(&data[(a - base) as usize..][..l as usize]))
+            .collect();
+        assert_eq!(got, want);
+    }
+
+    #[test]
+    fn rows_save_digest_and_load_only_what_matches() {
+        let kv: Vec<u8> = (0..64u32).map(|i| i as u8).collect();
+        let mut slots = vec![0u8; 64];
+        let mut out = vec![0u8; 64];
+        let (k, s, o) = (kv.as_ptr() as u64, slots.as_mut_ptr() as u64, out.as_mut_ptr() as u64);
+        // Two rows of two pieces: kv[0..4] + kv[8..12] -> slot 0, kv[16..20] + kv[24..28] -> slot 1.
+        let save = Rows {
+            src: &[k, k + 8, k + 16, k + 24],
+            dst: &[s, s + 4, s + 32, s + 36],
+            len: &[4; 4],
+            row_start: &[0, 2, 4],
+            value_addr: &[s, s + 32],
+            value_len: &[8, 8],
+        };
+        let digests = unsafe { save_rows(&save) };
+        assert_eq!(digests[0], xxhash_rust::xxh3::xxh3_64(&[0, 1, 2, 3, 8, 9, 10, 11]));
+        slots[33] ^= 1; // slot 1 corrupted
+        let load = Rows { src: save.dst, dst: &[o, o + 4, o + 32, o + 36], ..save };
+        let ok = unsafe { load_rows(&load, &digests) };
+        assert_eq!(ok, vec![true, false]);
+        assert_eq!(&out[..8], &[0, 1, 2, 3, 8, 9, 10, 11]);
+        assert!(out[32..40].iter().all(|&b| b == 0));
+    }
+}
