@@ -25,7 +25,7 @@ import kvstride.vllm as kv_vllm  # noqa: E402
 import vllm_harness as harness  # noqa: E402
 from kvstride.arena import HostArena  # noqa: E402
 from kvstride.stores import MooncakeStore, Status  # noqa: E402
-from mooncake_fixture import mooncake_master  # noqa: E402,F401
+from mooncake_fixture import fresh_master, mooncake_master  # noqa: E402,F401
 
 MODELS = list(harness.MODELS)
 
@@ -222,3 +222,63 @@ def test_failed_load_on_multi_group_model_is_recomputed(model_dirs, plain_output
     assert faults.calls > 0 and sched.matched_tokens > 0
     assert counters.get("loads_failed", 0) + counters.get("load_job_errors", 0) == 1, counters
     assert harness.mismatches(got, plain_outputs(name)) == []
+
+
+def _phases(llm, between=None):
+    """The scenario's three requests; ``between(phase)`` runs after each forced miss."""
+    p1, p2 = harness.prompts()
+    out = {}
+    for seed, (phase, prompt) in enumerate((("p1", p1), ("p2", p2), ("repeat", p1))):
+        if seed:
+            harness.drain_and_forget(llm, seed)
+            if between is not None:
+                between(phase)
+        out[phase] = harness.generate(llm, prompt)
+    return out
+
+
+def test_mooncake_master_killed_mid_run_and_restarted(model_dirs, plain_outputs, fresh_master):
+    """The master dies before P2 and comes back (empty) before the repeat: the engine keeps
+    serving with the plain run's output, the lost store counted, never raised."""
+    name = "qwen3_next"
+    llm = LLM(**harness.engine_kwargs(
+        harness.MODELS[name], model_dirs[name], connector=_store_config("mooncake", fresh_master, f"kill-{os.getpid()}"),
+    ))
+    try:
+        sched, worker = _connectors(llm)
+
+        def master(phase):
+            if phase == "p2":
+                fresh_master.kill()
+            else:
+                fresh_master.restart()
+
+        got = _phases(llm, master)
+        sched_counters, counters = dict(sched.counters), dict(worker.counters)
+    finally:
+        harness.close(llm)
+        kv_vllm.drop_shared_stores()
+    assert harness.mismatches(got, plain_outputs(name)) == []
+    assert counters.get("put_ok", 0) > 0, counters  # P1 was stored
+    failures = {k: v for k, v in {**sched_counters, **counters}.items() if "unavailable" in k or "error" in k}
+    assert failures, (sched_counters, counters)
+
+
+def test_store_full_keeps_serving(model_dirs, plain_outputs):
+    """An embedded store far smaller than one prompt: what does not fit is refused or evicted
+    and counted, hits (if any) stay right, the output is the plain run's. (A full Mooncake
+    segment is tests/test_mooncake.py's: Mooncake refuses segments small enough to fill here.)"""
+    name = "gemma3"
+    config = {"store": "embedded", "store_bytes": 8 * 8192}  # 8 slots of one Gemma-3 block
+    llm = LLM(**harness.engine_kwargs(harness.MODELS[name], model_dirs[name], connector=config))
+    try:
+        sched, worker = _connectors(llm)
+        got = harness.scenario(llm)
+        counters = {**sched.counters, **worker.counters}
+        evictions = sched.index.evictions if sched.index is not None else 0
+    finally:
+        harness.close(llm)
+        kv_vllm.drop_shared_stores()
+    assert harness.mismatches(got, plain_outputs(name)) == []
+    refused = {k: v for k, v in counters.items() if k.startswith("put_") and k not in ("put_ok", "put_skipped_present")}
+    assert refused or evictions, counters
