@@ -122,7 +122,7 @@ MODELS: Dict[str, Model] = {
 }
 
 #: The external hit vLLM's MooncakeStoreConnector reaches (P2 sharing 384 of 480 tokens).
-PEER_HITS = {"llama": 384, "gemma3": 384, "qwen3_next": 320, "lfm2": 384}
+PEER_HITS = {"llama": 384, "gemma3": 384, "qwen3_next": 384, "lfm2": 384}
 
 
 def prompts() -> Tuple[List[int], List[int]]:

@@ -1,0 +1,550 @@
+"""kvstride against vLLM's own KV connectors, in a real vLLM 0.32 CPU engine.
+
+    .venv-vllm/bin/python benches/vllm_connectors.py [--models gemma3,qwen3_next] \
+        [--prompts 48] [--reps 3] [--trials 5] [--configs all] [--json out.json]
+
+Run it from the repo root with the vLLM venv's python. Each (model, configuration) runs in its
+own subprocess: one in-process engine (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, ``uni``),
+``PYTHONHASHSEED=0``, the engine settings, models and prompts of ``tests/vllm_harness.py``
+(tiny random-weight models). Configurations:
+
+- ``none``              no connector (the floor: what vLLM costs by itself);
+- ``kvstride-embedded`` ``{"store": "embedded"}`` (host arena in the worker);
+- ``kvstride-mooncake`` ``{"store": "mooncake"}`` on the Mooncake store started here;
+- ``mooncake-store``    vLLM's MooncakeStoreConnector on the same store (the peer);
+- ``offloading``, ``simple-cpu``, ``example``: vLLM's OffloadingConnector,
+  SimpleCPUOffloadConnector and ExampleConnector, each tried; one that does not boot is
+  reported with its error. On the vLLM 0.32 CPU build the first two fail in
+  ``register_kv_caches`` (they need CUDA/XPU streams); ExampleConnector (a debug connector:
+  safetensors files, no HMA) boots for gemma3 but keys whole prompts, so a request that shares
+  only a prefix never hits, and fails for qwen3_next (Mamba needs HMA).
+
+The Mooncake store is ``python -m kvstride.cli store serve --bytes ... --config-out F``
+(master + the segment holder on 127.0.0.1), started and stopped here; the engines are pure
+clients (segment 0, "standalone-store") reading ``MOONCAKE_CONFIG_PATH=F``.
+
+Measured per configuration:
+
+- write-through: wall time of one ``generate`` of N fresh, distinct 480-token prompts
+  (``--max-tokens`` each), until every save is done (kvstride-mooncake's save lane idle, the
+  scheduler without requests or pending push work); min over ``--reps``, new prompts each;
+- TTFT on a hit: store a fresh prompt, drain + ``reset_prefix_cache()`` + random KV
+  (``harness.drain_and_forget``), then time one request sharing 384 of its 480 tokens with
+  max_tokens=1; median over ``--trials``. For ``none`` this is a miss (full prefill). It
+  includes the engine steps vLLM runs while an asynchronous load is in flight;
+- scheduler-side cost: time in the scheduler-side connector's methods (lookups,
+  ``update_state_after_alloc``, ``build_connector_meta``, ``update_connector_output``,
+  ``request_finished*``), per engine step and per write-through rep (steps include the ones
+  run until every save is reported);
+- external hit tokens (what ``update_state_after_alloc`` was given) and bytes moved: kvstride's
+  worker counters ``bytes_stored`` / ``bytes_loaded``; the peer's ``KVConnectorStats``
+  (``save_put_total_bytes`` / ``load_get_total_bytes``); otherwise n/a.
+
+The machine must be quiet for figures worth keeping: every configuration shares its cores.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import random
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tests"))  # vllm_harness
+
+CONFIGS = ("none", "kvstride-embedded", "kvstride-mooncake", "mooncake-store", "offloading", "simple-cpu", "example")
+PEER = "mooncake-store"
+PROMPT_TOKENS, SHARED_TOKENS = 480, 384  # as in vllm_harness (P1 / P2)
+OFFLOAD_BYTES = 256 << 20  # CPU capacity given to vLLM's CPU offloading connectors
+
+
+# ---- the child: one engine, one configuration ------------------------------------------------
+
+
+def transfer_config(name: str, scratch: str):
+    """The ``KVTransferConfig`` of configuration ``name`` (None: no connector)."""
+    import vllm_harness as harness
+    from vllm.config import KVTransferConfig
+
+    def vllm_connector(connector, extra):
+        # Same role and load-failure policy as the kvstride connector gets.
+        return KVTransferConfig(kv_connector=connector, kv_role="kv_both", kv_load_failure_policy="recompute",
+                                kv_connector_extra_config=extra)
+
+    if name == "none":
+        return None
+    if name == "kvstride-embedded":
+        return harness.connector_config({"store": "embedded"})
+    if name == "kvstride-mooncake":
+        return harness.connector_config({"store": "mooncake"})  # MOONCAKE_CONFIG_PATH
+    if name == "mooncake-store":
+        return vllm_connector("MooncakeStoreConnector", {})  # MOONCAKE_CONFIG_PATH
+    if name == "offloading":
+        return vllm_connector("OffloadingConnector", {"cpu_bytes_to_use": OFFLOAD_BYTES})
+    if name == "simple-cpu":
+        return vllm_connector("SimpleCPUOffloadConnector", {"cpu_bytes_to_use": OFFLOAD_BYTES})
+    if name == "example":
+        return vllm_connector("ExampleConnector", {"shared_storage_path": os.path.join(scratch, "example-kv")})
+    raise ValueError(f"unknown configuration {name!r}; one of {', '.join(CONFIGS)}")
+
+
+def fresh_tokens(seed: int, n: int) -> list:
+    rng = random.Random(seed)
+    return [rng.randrange(3, 500) for _ in range(n)]
+
+
+class SchedulerProbe:
+    """Wraps the scheduler-side connector's methods (on the instance): time spent in them,
+    engine steps (``build_connector_meta`` calls) and external tokens granted."""
+
+    METHODS = ("get_num_new_matched_tokens", "update_state_after_alloc", "build_connector_meta",
+               "update_connector_output", "request_finished", "request_finished_all_groups",
+               "register_finished_partial_tail")
+
+    def __init__(self, connector):
+        self.seconds = 0.0
+        self.steps = 0
+        self.ext_tokens = 0
+        self._depth = 0  # only the outermost call counts (request_finished -> _all_groups)
+        if connector is not None:
+            for name in self.METHODS:
+                if hasattr(connector, name):
+                    setattr(connector, name, self._wrap(name, getattr(connector, name)))
+
+    def _wrap(self, name, fn):
+        def wrapped(*args, **kwargs):
+            if self._depth:
+                return fn(*args, **kwargs)
+            self._depth += 1
+            start = time.perf_counter()
+            try:
+                out = fn(*args, **kwargs)
+            finally:
+                self.seconds += time.perf_counter() - start
+                self._depth -= 1
+            if name == "build_connector_meta":
+                self.steps += 1
+            elif name == "update_state_after_alloc":
+                self.ext_tokens += int(args[2] if len(args) > 2 else kwargs.get("num_external_tokens", 0))
+            return out
+
+        return wrapped
+
+    def snapshot(self):
+        return self.seconds, self.steps, self.ext_tokens
+
+
+class ByteProbe:
+    """(bytes stored, bytes loaded) so far on the worker side, or None where the connector
+    does not say. kvstride: its counters; others: their ``KVConnectorStats`` (collected by
+    wrapping ``get_kv_connector_stats``, which vLLM calls every step and which resets)."""
+
+    def __init__(self, worker):
+        from collections import Counter
+
+        self.worker = worker
+        self.kvstride = type(worker).__name__ == "KVStrideConnector"
+        self.totals = Counter()
+        self.seen = False
+        self._orig = None
+        if worker is not None and not self.kvstride and hasattr(worker, "get_kv_connector_stats"):
+            self._orig = worker.get_kv_connector_stats
+
+            def wrapped():
+                stats = self._orig()
+                self._take(stats)
+                return stats
+
+            worker.get_kv_connector_stats = wrapped
+
+    def _take(self, stats) -> None:
+        if stats is None:
+            return
+        try:
+            reduced = stats.reduce()
+        except Exception:
+            return
+        for key, value in reduced.items():
+            if "bytes" in key and isinstance(value, (int, float)):
+                self.totals[key] += value
+                self.seen = True
+
+    def snapshot(self):
+        if self.worker is None:
+            return None
+        if self.kvstride:
+            c = self.worker.counters
+            return int(c.get("bytes_stored", 0)), int(c.get("bytes_loaded", 0))
+        if self._orig is not None:
+            self._take(self._orig())  # what vLLM has not collected yet
+        if not self.seen:
+            return None
+        # MooncakeStoreConnectorStats: save_put_total_bytes / load_get_total_bytes.
+        stored = sum(v for k, v in self.totals.items() if any(w in k for w in ("save", "store", "put")))
+        loaded = sum(v for k, v in self.totals.items() if any(w in k for w in ("load", "get", "recv")))
+        return int(stored), int(loaded)
+
+
+def thread_report(limit: int = 8) -> list:
+    """This process's busiest threads: name, CPU seconds, the cores it may run on (vLLM's CPU
+    worker binds its OpenMP thread; helper threads started after that inherit the binding)."""
+    tick = os.sysconf("SC_CLK_TCK")
+    rows = []
+    for task in Path("/proc/self/task").iterdir():
+        try:
+            stat = (task / "stat").read_text()
+            name = stat[stat.index("(") + 1:stat.rindex(")")]
+            fields = stat[stat.rindex(")") + 2:].split()
+            cpu = (int(fields[11]) + int(fields[12])) / tick  # utime + stime
+            cores = sorted(os.sched_getaffinity(int(task.name)))
+        except (OSError, ValueError):
+            continue
+        rows.append({"thread": name, "cpu_s": round(cpu, 2), "cores": cores})
+    return sorted(rows, key=lambda r: -r["cpu_s"])[:limit]
+
+
+def delta(after, before):
+    if after is None or before is None:
+        return None
+    return [a - b for a, b in zip(after, before)]
+
+
+def run_child(spec: dict) -> dict:
+    import vllm_harness as harness
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    model = harness.MODELS[spec["model"]]
+    kwargs = harness.engine_kwargs(model, spec["path"])
+    ktc = transfer_config(spec["config"], spec["scratch"])
+    if ktc is not None:
+        kwargs["kv_transfer_config"] = ktc
+    start = time.perf_counter()
+    llm = LLM(**kwargs)
+    result = {"boot_s": time.perf_counter() - start}
+    core = llm.llm_engine.engine_core.engine_core
+    sched = core.scheduler
+    conn = sched.connector
+    worker = None
+    if conn is not None:
+        from vllm.distributed.kv_transfer.kv_transfer_state import get_kv_transfer_group
+
+        worker = get_kv_transfer_group()
+    probe, bytes_probe = SchedulerProbe(conn), ByteProbe(worker)
+
+    def generate(prompts, max_tokens):
+        sp = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, detokenize=False)
+        llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], sp, use_tqdm=False)
+
+    def wait_saved(timeout=120.0):
+        """Every save of what ran so far is in its store."""
+        deadline = time.monotonic() + timeout
+        engine = getattr(worker, "engine", None) if bytes_probe.kvstride else None
+        if engine is not None and not engine.wait_idle(timeout):  # kvstride-mooncake's save lane
+            raise TimeoutError("kvstride save lane never went idle")
+        # Finished requests held for their saves, the peer's store jobs (has_pending_push_work):
+        # their completions reach the scheduler on a step.
+        while sched.has_requests():
+            if time.monotonic() > deadline:
+                raise TimeoutError("the scheduler still has requests / pending saves")
+            llm.llm_engine.step()
+            time.sleep(0.001)
+
+    def reset_local():
+        while not llm.reset_prefix_cache():
+            llm.llm_engine.step()
+            time.sleep(0.001)
+
+    n, mt = spec["prompts"], spec["max_tokens"]
+    # Warm-up (not measured): a few saves and one hit cycle.
+    generate([fresh_tokens(900_000 + i, PROMPT_TOKENS) for i in range(min(4, n))], mt)
+    wait_saved()
+    warm = fresh_tokens(910_000, PROMPT_TOKENS)
+    generate([warm], 1)
+    wait_saved()
+    harness.drain_and_forget(llm, 999)
+    generate([warm[:SHARED_TOKENS] + fresh_tokens(920_000, PROMPT_TOKENS - SHARED_TOKENS)], 1)
+    wait_saved()
+
+    # Write-through: N fresh prompts in one generate call, until all is saved.
+    reps = []
+    for r in range(spec["reps"]):
+        reset_local()
+        prompts = [fresh_tokens(1_000_000 + 10_000 * r + i, PROMPT_TOKENS) for i in range(n)]
+        s0, b0 = probe.snapshot(), bytes_probe.snapshot()
+        t0 = time.perf_counter()
+        generate(prompts, mt)
+        t1 = time.perf_counter()
+        wait_saved()
+        t2 = time.perf_counter()
+        s1, b1 = probe.snapshot(), bytes_probe.snapshot()
+        reps.append({
+            "generate_s": t1 - t0, "write_through_s": t2 - t0,
+            "sched_s": s1[0] - s0[0], "steps": s1[1] - s0[1], "ext_tokens": s1[2] - s0[2],
+            "bytes": delta(b1, b0),
+        })
+    result["write"] = reps
+
+    # TTFT on a hit: store P1, forced miss, time P2 (shares 384 tokens).
+    trials = []
+    for t in range(spec["trials"]):
+        p1 = fresh_tokens(2_000_000 + t, PROMPT_TOKENS)
+        generate([p1], mt)
+        wait_saved()
+        harness.drain_and_forget(llm, 100 + t)
+        p2 = p1[:SHARED_TOKENS] + fresh_tokens(3_000_000 + t, PROMPT_TOKENS - SHARED_TOKENS)
+        s0, b0 = probe.snapshot(), bytes_probe.snapshot()
+        t0 = time.perf_counter()
+        generate([p2], 1)
+        ttft = time.perf_counter() - t0
+        wait_saved()
+        s1, b1 = probe.snapshot(), bytes_probe.snapshot()
+        trials.append({"ttft_s": ttft, "ext_tokens": s1[2] - s0[2], "steps": s1[1] - s0[1],
+                       "sched_s": s1[0] - s0[0], "bytes": delta(b1, b0)})
+    result["hit"] = trials
+    if bytes_probe.kvstride:
+        result["worker_counters"] = {k: int(v) for k, v in worker.counters.items()}
+    result["threads"] = thread_report()
+    harness.close(llm)
+    return result
+
+
+def child_main(spec_json: str) -> int:
+    spec = json.loads(spec_json)
+    try:
+        out = {"ok": True, **run_child(spec)}
+    except BaseException as err:  # reported to the parent, which shows it in the table
+        import traceback
+
+        traceback.print_exc()
+        out = {"ok": False, "error": f"{type(err).__name__}: {err}"}
+    Path(spec["out"]).write_text(json.dumps(out))
+    sys.stdout.flush()
+    os._exit(0)  # skip interpreter teardown (vLLM / Mooncake threads)
+
+
+# ---- the parent: store server, subprocesses, tables --------------------------------------------
+
+
+def child_pids(pid: int) -> list:
+    """Direct children of ``pid`` (Linux /proc), e.g. the master of ``store serve``."""
+    out = []
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        try:
+            out += [int(x) for x in (task / "children").read_text().split()]
+        except OSError:
+            pass
+    return out
+
+
+class StoreServer:
+    """``kvstride store serve`` in a subprocess; ``config_path`` is its MOONCAKE_CONFIG_PATH."""
+
+    def __init__(self, scratch: str, size: str):
+        self.config_path = os.path.join(scratch, "mooncake.json")
+        self.log_path = os.path.join(scratch, "store-serve.log")
+        self.log = open(self.log_path, "wb")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "kvstride.cli", "store", "serve", "--bytes", size, "--config-out", self.config_path],
+            stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True, cwd=str(ROOT),
+        )
+        self.children = []
+        deadline = time.monotonic() + 60
+        while not os.path.exists(self.config_path):
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.stop()
+                raise RuntimeError(f"kvstride store serve did not come up; log {self.log_path}:\n"
+                                   + Path(self.log_path).read_text()[-2000:])
+            time.sleep(0.1)
+        self.children = child_pids(self.proc.pid)  # the mooncake_master it started
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)  # it closes its holder, then its master
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        for pid in self.children:  # only if it could not stop its master itself
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+        self.log.close()
+
+
+def last_error(log_path: str) -> str:
+    """The most telling line of a failed child's log."""
+    lines = [line.strip() for line in Path(log_path).read_text(errors="replace").splitlines() if line.strip()]
+    for line in reversed(lines):
+        if any(w in line for w in ("Error", "Exception", "error:")) and not line.startswith("File "):
+            return line[-400:]
+    return lines[-1][-400:] if lines else "no output"
+
+
+def run_config(model: str, path: str, config: str, args, scratch: str, store) -> dict:
+    tag = f"{model}-{config}"
+    out_path = os.path.join(scratch, f"{tag}.json")
+    log_path = os.path.join(scratch, f"{tag}.log")
+    child_scratch = os.path.join(scratch, tag)
+    os.makedirs(os.path.join(child_scratch, "rpc"), exist_ok=True)
+    spec = dict(model=model, path=path, config=config, prompts=args.prompts, reps=args.reps,
+                trials=args.trials, max_tokens=args.max_tokens, out=out_path, scratch=child_scratch)
+    env = dict(os.environ)
+    env.update(
+        VLLM_ENABLE_V1_MULTIPROCESSING="0", PYTHONHASHSEED="0",
+        VLLM_HOST_IP="127.0.0.1",  # the peer's Mooncake client advertises this address
+        MC_TCP_BIND_ADDRESS="127.0.0.1",
+        # The peer's scheduler->worker lookup socket is ipc://$VLLM_RPC_BASE_PATH/lookup_rpc_port_0_...:
+        # private, so that other vLLM runs on this machine cannot collide with it.
+        VLLM_RPC_BASE_PATH=os.path.join(child_scratch, "rpc"),
+        PYTHONPATH=os.pathsep.join([str(ROOT / "tests"), str(ROOT / "python"), env.get("PYTHONPATH", "")]),
+    )
+    if store is not None:
+        env["MOONCAKE_CONFIG_PATH"] = store.config_path
+    else:
+        env.pop("MOONCAKE_CONFIG_PATH", None)
+    start = time.monotonic()
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen([sys.executable, __file__, "--child", json.dumps(spec)], env=env, cwd=str(ROOT),
+                                stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            proc.wait(args.timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)  # its own session: only what it started
+            proc.wait()
+    wall = time.monotonic() - start
+    if os.path.exists(out_path):
+        res = json.loads(Path(out_path).read_text())
+    else:
+        res = {"ok": False, "error": f"exit {proc.returncode}" + (" (timeout)" if wall >= args.timeout else "")}
+    if not res.get("ok"):
+        line = last_error(log_path)
+        if line not in str(res.get("error")):
+            res["error"] = f"{res.get('error')} | log: {line}"
+    res["log"], res["wall_s"] = log_path, wall
+    return res
+
+
+def summarize(res: dict) -> dict:
+    """The table's figures from one configuration's raw result."""
+    if not res.get("ok"):
+        return {"error": res.get("error")}
+    best = min(res["write"], key=lambda r: r["write_through_s"])
+    steps = sum(r["steps"] for r in res["write"])
+    stored = [r["bytes"][0] for r in res["write"] if r["bytes"] is not None]
+    loaded = [t["bytes"][1] for t in res["hit"] if t["bytes"] is not None]
+    return {
+        "write_through_s": best["write_through_s"],
+        "generate_s": best["generate_s"],
+        "sched_us_per_step": (1e6 * sum(r["sched_s"] for r in res["write"]) / steps) if steps else None,
+        "sched_ms_per_rep": 1e3 * statistics.mean(r["sched_s"] for r in res["write"]),
+        "hit_steps": statistics.median(t["steps"] for t in res["hit"]) if res["hit"] else None,
+        "ttft_hit_ms": 1e3 * statistics.median(t["ttft_s"] for t in res["hit"]) if res["hit"] else None,
+        "hit_tokens": statistics.median(t["ext_tokens"] for t in res["hit"]) if res["hit"] else None,
+        "write_ext_tokens": sum(r["ext_tokens"] for r in res["write"]),
+        "bytes_stored_per_rep": statistics.mean(stored) if stored else None,
+        "bytes_loaded_per_hit": statistics.mean(loaded) if loaded else None,
+        "boot_s": res["boot_s"],
+    }
+
+
+def fmt_bytes(n) -> str:
+    if n is None:
+        return "n/a"
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+
+
+def print_table(model: str, rows: dict, args) -> None:
+    peer = rows.get(PEER, {}).get("write_through_s")
+    print(f"\n### {model}: {args.prompts} prompts x {PROMPT_TOKENS} tokens, max_tokens={args.max_tokens}, "
+          f"min of {args.reps} reps; TTFT median of {args.trials} (hit shares {SHARED_TOKENS} tokens)\n")
+    print("| configuration | write-through s | vs peer | sched us/step | sched ms/rep | TTFT on hit ms "
+          "| hit tokens | bytes stored / rep | bytes loaded / hit |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for name, s in rows.items():
+        if "error" in s:
+            print(f"| {name} | did not run: {s['error'][:300]} | | | | | | | |")
+            continue
+        ratio = f"{s['write_through_s'] / peer:.2f}x" if peer else "n/a"
+        sched = "-" if s["sched_us_per_step"] is None else f"{s['sched_us_per_step']:.0f}"
+        print(f"| {name} | {s['write_through_s']:.3f} | {ratio} | {sched} | {s['sched_ms_per_rep']:.1f} | "
+              f"{s['ttft_hit_ms']:.1f} | "
+              f"{s['hit_tokens']:.0f} | {fmt_bytes(s['bytes_stored_per_rep'])} | {fmt_bytes(s['bytes_loaded_per_hit'])} |")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--models", default="gemma3,qwen3_next", help="comma-separated, from tests/vllm_harness.py")
+    ap.add_argument("--configs", default="all", help=f"comma-separated subset of {','.join(CONFIGS)}")
+    ap.add_argument("--prompts", type=int, default=48, help="fresh prompts per write-through generate call")
+    ap.add_argument("--reps", type=int, default=3, help="write-through repetitions (min is reported)")
+    ap.add_argument("--trials", type=int, default=5, help="TTFT-on-hit trials (median is reported)")
+    ap.add_argument("--max-tokens", type=int, default=1, help="tokens generated per write-through prompt")
+    ap.add_argument("--store-bytes", default="1G", help="segment of the Mooncake store server")
+    ap.add_argument("--timeout", type=float, default=900, help="seconds per configuration subprocess")
+    ap.add_argument("--json", metavar="PATH", help="also write every raw and summarized figure here")
+    ap.add_argument("--keep", action="store_true", help="keep the scratch folder (models, logs)")
+    ap.add_argument("--child", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.child:
+        return child_main(args.child)
+
+    import vllm_harness as harness
+
+    models = [m for m in args.models.split(",") if m]
+    configs = list(CONFIGS) if args.configs == "all" else [c for c in args.configs.split(",") if c]
+    for name in models:
+        if name not in harness.MODELS:
+            ap.error(f"unknown model {name!r}; one of {', '.join(harness.MODELS)}")
+    for name in configs:
+        if name not in CONFIGS:
+            ap.error(f"unknown configuration {name!r}; one of {', '.join(CONFIGS)}")
+    scratch = tempfile.mkdtemp(prefix="kvstride-vllm-bench-")
+    print(f"# vLLM connectors bench: {platform.machine()}, {os.cpu_count()} cores, "
+          f"load average {os.getloadavg()[0]:.2f} at start; scratch {scratch}", flush=True)
+    report = {"args": vars(args), "models": {}}
+    store = None
+    try:
+        if any(c in ("kvstride-mooncake", "mooncake-store") for c in configs):
+            store = StoreServer(scratch, args.store_bytes)
+            print(f"# Mooncake store: MOONCAKE_CONFIG_PATH={store.config_path}: "
+                  f"{Path(store.config_path).read_text().strip()}", flush=True)
+        for model in models:
+            path = harness.MODELS[model].build(Path(scratch) / "models" / model)
+            raw, rows = {}, {}
+            for config in configs:
+                res = run_config(model, path, config, args, scratch, store)
+                raw[config], rows[config] = res, summarize(res)
+                state = "ok" if res.get("ok") else f"FAILED: {res['error'][:200]}"
+                print(f"# {model} / {config}: {state} ({res['wall_s']:.0f} s)", flush=True)
+            print_table(model, rows, args)
+            report["models"][model] = {"summary": rows, "raw": raw}
+    finally:
+        if store is not None:
+            store.stop()
+        if args.json:
+            Path(args.json).write_text(json.dumps(report, indent=1))
+        if not args.keep:
+            shutil.rmtree(scratch, ignore_errors=True)
+    print(f"\nload average {os.getloadavg()[0]:.2f} at the end"
+          + ("" if args.keep else " (scratch removed; --keep keeps the logs)"))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,476 @@
+"""The connector the way vLLM runs it: the scheduler in an EngineCore process, the model runner
+in a Worker process (``distributed_executor_backend="mp"``), so that the connector's two roles
+share only what its store shares; and two engines, one after the other, sharing a Mooncake store.
+
+- ``test_server_*``: ``python -m vllm.entrypoints.openai.api_server`` with the connector.
+  Token-id prompts go through ``POST /v1/completions``, hits come from ``GET /metrics``, and
+  the forced miss of ``tests/vllm_harness.py`` is made from outside through the dev endpoints
+  (``VLLM_SERVER_DEV_MODE=1``): ``POST /reset_prefix_cache`` until it succeeds, then
+  ``POST /collective_rpc`` into the worker extension ``vllm_harness.KVRandomizer``, which
+  overwrites every KV tensor with random values.
+- ``test_llm_mp_*``: ``LLM(..., distributed_executor_backend="mp")`` with
+  ``VLLM_ENABLE_V1_MULTIPROCESSING=1`` in a subprocess, running ``harness.scenario``.
+- ``test_mooncake_shared_across_engines``: engine A computes P1 and exits; engine B, a new
+  process, loads it from a ``kvstride store serve`` store.
+
+Every run is compared (tokens, logprobs within 1e-6) with one plain run per model (no
+connector, scheduler and worker in one process): vLLM's output under the harness settings does
+not depend on the process layout (a plain server, a plain ``mp`` engine and a plain in-process
+engine agree), so one reference per model serves every tier and keeps the file fast. Each case
+starts vLLM's processes anew (30-50 s on two cores), so by default each tier runs once or a few
+times, covering both models and both stores between them; ``KVSTRIDE_SERVE_ALL=1`` runs the
+whole matrix.
+
+Needs the vLLM environment (``make test-vllm``); skipped where vLLM is not installed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+import urllib.error
+import urllib.request
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Dict, List, Optional
+
+import pytest
+
+pytest.importorskip("vllm")
+
+import vllm_harness as harness  # noqa: E402
+from kvstride.stores import _free_port  # noqa: E402
+
+TESTS = Path(__file__).resolve().parent
+MODELS = ["llama", "gemma3"]  # one KV-cache group; four (3 sliding-window + 1 full)
+EXTERNAL_HITS = "vllm:external_prefix_cache_hits"  # tokens; the /metrics series ends in _total
+
+# Each case starts three vLLM processes (30-50 s on two cores). By default every tier runs,
+# with both models and both stores between them; KVSTRIDE_SERVE_ALL=1 runs every combination.
+ALL = os.environ.get("KVSTRIDE_SERVE_ALL") == "1"
+_MORE = pytest.mark.skipif(not ALL, reason="one of every combination: KVSTRIDE_SERVE_ALL=1")
+
+
+def _cases(default, more):
+    return [*default, *(pytest.param(*(c if isinstance(c, tuple) else (c,)), marks=_MORE) for c in more)]
+
+
+SERVER_CASES = _cases([("llama", "embedded"), ("gemma3", "mooncake")], [("gemma3", "embedded"), ("llama", "mooncake")])
+MP_CASES = _cases([("gemma3", "embedded")], [("gemma3", "mooncake"), ("llama", "embedded"), ("llama", "mooncake")])
+SHARED_CASES = _cases(["gemma3"], ["llama"])
+
+
+# ---- processes ---------------------------------------------------------------------------------
+
+
+def _stop(proc: subprocess.Popen, timeout: float = 30.0) -> None:
+    """SIGTERM to ``proc`` (vLLM shuts its EngineCore and Worker down), then SIGKILL to its
+    process group (``start_new_session``: only processes this file started) if it hangs, or
+    to stragglers."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            pass
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+    proc.wait(10)
+
+
+def _tail(path: Path, n: int = 4000) -> str:
+    try:
+        return path.read_text(errors="replace")[-n:]
+    except OSError:
+        return ""
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("serve")
+
+
+@pytest.fixture(scope="module")
+def base_env(workdir, pytestconfig) -> Dict[str, str]:
+    """The environment of every process started here: equal block-hash seeds (vLLM seeds its
+    hashes from PYTHONHASHSEED), vLLM's sockets and temp files under ``workdir``, the tests
+    folder importable (the worker extension, ``vllm_harness``). vLLM's cache (its model-class
+    inspection, ~10 s per architecture, keyed by vLLM's own source) is the caller's
+    VLLM_CACHE_ROOT, else pytest's cache folder, else ``workdir``."""
+    env = dict(os.environ)
+    for name in ("VLLM_RPC_BASE_PATH", "TMPDIR"):
+        (workdir / name.lower()).mkdir()
+        env[name] = str(workdir / name.lower())
+    if not env.get("VLLM_CACHE_ROOT"):
+        cache = getattr(pytestconfig, "cache", None)  # None under -p no:cacheprovider
+        env["VLLM_CACHE_ROOT"] = str(cache.mkdir("vllm-cache") if cache else workdir / "vllm-cache")
+    env.pop("MOONCAKE_CONFIG_PATH", None)
+    env.update(
+        PYTHONHASHSEED="0",
+        VLLM_ENABLE_V1_MULTIPROCESSING="1",
+        VLLM_SERVER_DEV_MODE="1",
+        MC_LOG_LEVEL="ERROR",
+        PYTHONPATH=os.pathsep.join(p for p in (str(TESTS), env.get("PYTHONPATH")) if p),
+    )
+    return env
+
+
+@pytest.fixture(scope="module")
+def model_dirs(tmp_path_factory) -> Dict[str, str]:
+    root = tmp_path_factory.mktemp("models")
+    return {name: harness.MODELS[name].build(root / name) for name in MODELS}
+
+
+@pytest.fixture(scope="module")
+def store_serve(workdir, base_env):
+    """``kvstride store serve``: a Mooncake master plus the segment the engines' objects live
+    in (the engines are pure clients); yields the engines' config file (MOONCAKE_CONFIG_PATH)."""
+    config, log_path = workdir / "mooncake.json", workdir / "store-serve.log"
+    argv = [sys.executable, "-m", "kvstride.cli", "store", "serve", "--bytes", "256M", "--config-out", str(config)]
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(argv, env=base_env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 60
+        while not config.exists():
+            assert proc.poll() is None, f"store serve exited with {proc.returncode}: {_tail(log_path)}"
+            assert time.monotonic() < deadline, f"store serve wrote no {config}: {_tail(log_path)}"
+            time.sleep(0.05)
+        assert json.loads(config.read_text())["global_segment_size"] == 0
+        yield config
+    finally:
+        _stop(proc)
+
+
+def _store(kind: str, tag: str) -> dict:
+    """``kv_connector_extra_config`` for a store kind. Mooncake is configured the way vLLM's
+    MooncakeStoreConnector is, by the file in ``MOONCAKE_CONFIG_PATH`` (:func:`_env`): store
+    serve's, whose segment 0 makes the engines pure clients, so what they store lives in store
+    serve's segment and outlives them. ``tag`` keeps the tests' keys apart in that store."""
+    if kind == "embedded":
+        return {"store": "embedded", "store_bytes": 64 << 20}
+    return {"store": "mooncake", "cache_prefix": tag}
+
+
+def _env(base_env, kind: str, store_serve, **extra) -> Dict[str, str]:
+    env = dict(base_env, **extra)
+    if kind == "mooncake":
+        env["MOONCAKE_CONFIG_PATH"] = str(store_serve)
+    return env
+
+
+def _transfer_config(extra: dict) -> dict:
+    """``--kv-transfer-config`` (what ``harness.connector_config`` builds for ``LLM``)."""
+    return {
+        "kv_connector": "KVStrideConnector", "kv_connector_module_path": "kvstride.vllm", "kv_role": "kv_both",
+        "kv_load_failure_policy": "recompute", "kv_connector_extra_config": extra,
+    }
+
+
+def _assert_hits(hits: Dict[str, float], name: str, detail) -> None:
+    """No hit before anything was stored; afterwards at least vLLM's MooncakeStoreConnector's."""
+    want = harness.PEER_HITS[name]
+    assert hits.get("p1", 0) == 0, (hits, detail)
+    for phase in ("p2", "repeat"):
+        if phase in hits:
+            assert hits[phase] >= want, f"{phase}: {hits[phase]:.0f} external hit tokens < {want}: {hits}, {detail}"
+
+
+def _outputs(raw: dict) -> Dict[str, harness.Output]:
+    return {phase: harness.Output(o["tokens"], o["logprobs"]) for phase, o in raw.items()}
+
+
+def _mismatches(got: Dict[str, harness.Output], want: Dict[str, harness.Output]) -> List[str]:
+    """``harness.mismatches`` over the phases that ran."""
+    return harness.mismatches(got, {phase: want[phase] for phase in got})
+
+
+# ---- engines in a subprocess (LLM) ----------------------------------------------------------------
+
+ENGINE_SCRIPT = textwrap.dedent(
+    '''
+    """Runs the engine jobs of argv[1] (JSON) one after the other; writes their results to argv[2]."""
+    import json
+    import sys
+
+    import cloudpickle
+
+    import kvstride.vllm as kv_vllm
+    import vllm_harness as harness
+
+    # collective_rpc(harness.randomize_kv) in "mp": the function is pickled by value, so it does
+    # not depend on the EngineCore and Worker processes finding vllm_harness by name.
+    cloudpickle.register_pickle_by_value(harness)
+
+
+    def metric_sums(llm):
+        sums = {}
+        for m in llm.get_metrics():
+            if hasattr(m, "value"):
+                sums[m.name] = sums.get(m.name, 0) + m.value
+        return sums
+
+
+    def run(job):
+        from vllm import LLM
+
+        model = harness.MODELS[job["model"]]
+        kwargs = harness.engine_kwargs(model, job["path"], connector=job["connector"], backend=job["backend"])
+        kwargs["tensor_parallel_size"] = job.get("tp", 1)
+        llm = LLM(**kwargs, disable_log_stats=False)  # stats on: LLM.get_metrics()
+        try:
+            hits, last = {}, [0]
+
+            def after(phase):
+                now = metric_sums(llm).get("vllm:external_prefix_cache_hits", 0)
+                hits[phase], last[0] = now - last[0], now
+
+            if job["phases"] == "scenario":
+                out = harness.scenario(llm, after=after)
+            else:  # each phase after a forced miss (a new engine: only its store can hit)
+                p1, p2 = harness.prompts()
+                out = {}
+                for seed, phase in enumerate(job["phases"], 1):
+                    harness.drain_and_forget(llm, seed)
+                    out[phase] = harness.generate(llm, {"p1": p1, "p2": p2, "repeat": p1}[phase])
+                    after(phase)
+            kvstride = {k: v for k, v in metric_sums(llm).items() if k.startswith("vllm:kvstride_")}
+        finally:
+            harness.close(llm)
+            kv_vllm.drop_shared_stores()
+        outputs = {p: {"tokens": o.tokens, "logprobs": o.logprobs} for p, o in out.items()}
+        return {"outputs": outputs, "hits": hits, "kvstride": kvstride}
+
+
+    if __name__ == "__main__":  # spawned EngineCore / Worker processes re-import this file
+        results = [run(job) for job in json.loads(sys.argv[1])]
+        with open(sys.argv[2], "w") as f:
+            json.dump(results, f)
+    '''
+)
+
+
+def _run_engines(workdir: Path, env: Dict[str, str], jobs: List[dict], label: str, timeout: float = 300) -> List[dict]:
+    """Run ``jobs`` (ENGINE_SCRIPT) in a new process; their results."""
+    script = workdir / "engines.py"
+    if not script.exists():
+        script.write_text(ENGINE_SCRIPT)
+    out, log_path = workdir / f"{label}.json", workdir / f"{label}.log"
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(
+            [sys.executable, str(script), json.dumps(jobs), str(out)],
+            env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+        )
+    try:
+        proc.wait(timeout)
+    except subprocess.TimeoutExpired:
+        pass
+    finally:
+        _stop(proc)
+    assert proc.returncode == 0 and out.exists(), f"{label}: exit {proc.returncode}: {_tail(log_path)}"
+    return json.loads(out.read_text())
+
+
+@pytest.fixture(scope="module")
+def reference(workdir, base_env, model_dirs) -> Dict[str, Dict[str, harness.Output]]:
+    """Each model's P1 and P2 without a connector, in-process (one subprocess for all models).
+    Without a connector the repeat of P1 after a forced miss is P1 computed again: P1's output."""
+    env = dict(base_env, VLLM_ENABLE_V1_MULTIPROCESSING="0")
+    jobs = [dict(model=n, path=model_dirs[n], backend="uni", connector=None, phases=["p1", "p2"]) for n in MODELS]
+    results = _run_engines(workdir, env, jobs, "reference")
+    out = {n: _outputs(r["outputs"]) for n, r in zip(MODELS, results)}
+    for o in out.values():
+        o["repeat"] = o["p1"]
+    return out
+
+
+# ---- the OpenAI server ------------------------------------------------------------------------------
+
+
+def _cli(kwargs: dict) -> List[str]:
+    """``LLM(**kwargs)`` as ``vllm serve`` flags (None is spelt "None")."""
+    argv = []
+    for key, value in kwargs.items():
+        flag = "--" + key.replace("_", "-")
+        if value is True:
+            argv.append(flag)
+        elif value is False:
+            argv.append("--no-" + key.replace("_", "-"))
+        else:
+            argv += [flag, "None" if value is None else str(value)]
+    return argv
+
+
+class Server:
+    """A running ``vllm.entrypoints.openai.api_server`` on a loopback port."""
+
+    def __init__(self, proc: subprocess.Popen, port: int, log_path: Path) -> None:
+        self.proc, self.url, self.log_path = proc, f"http://127.0.0.1:{port}", log_path
+
+    def _call(self, path: str, body: Optional[dict] = None, timeout: float = 120):
+        data = None if body is None else json.dumps(body).encode()
+        req = urllib.request.Request(self.url + path, data=data, headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            raw = r.read().decode()
+        return raw if path == "/metrics" else json.loads(raw or "null")
+
+    def wait_healthy(self, timeout: float = 300) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            assert self.proc.poll() is None, f"server exited with {self.proc.returncode}: {_tail(self.log_path)}"
+            try:
+                with urllib.request.urlopen(self.url + "/health", timeout=2) as r:
+                    if r.status == 200:
+                        return
+            except (urllib.error.URLError, OSError):
+                pass
+            time.sleep(0.25)
+        raise AssertionError(f"server not healthy after {timeout:.0f} s: {_tail(self.log_path)}")
+
+    def complete(self, prompt: List[int]) -> harness.Output:
+        """A token-id prompt, greedy (``harness.generate``'s sampling); token ids and the
+        sampled tokens' logprobs."""
+        r = self._call("/v1/completions", {
+            "prompt": list(prompt), "max_tokens": harness.MAX_TOKENS, "temperature": 0.0, "ignore_eos": True,
+            "logprobs": 0, "return_token_ids": True,
+            "return_tokens_as_token_ids": True,  # logprobs without a tokenizer (--skip-tokenizer-init)
+        })
+        choice = r["choices"][0]
+        return harness.Output(list(choice["token_ids"]), [float(x) for x in choice["logprobs"]["token_logprobs"]])
+
+    def drain(self, timeout: float = 60) -> None:
+        """``POST /reset_prefix_cache`` until it succeeds (no request holds a block). The answer
+        comes after the outputs of earlier steps, so /metrics then counts them."""
+        deadline = time.monotonic() + timeout
+        while not self._call("/reset_prefix_cache", {})["success"]:
+            assert time.monotonic() < deadline, "reset_prefix_cache never succeeded: some request still holds blocks"
+            time.sleep(0.05)
+
+    def randomize_kv(self, seed: int) -> None:
+        """Every worker's KV tensors overwritten (``vllm_harness.KVRandomizer``)."""
+        results = self._call("/collective_rpc", {"method": "randomize_kv_cache", "args": [str(seed)]})["results"]
+        assert results and all(int(n) > 0 for n in results), results
+
+    def metrics(self) -> Dict[str, float]:
+        """``GET /metrics``: each series' value summed over its labels."""
+        sums: Dict[str, float] = {}
+        for line in self._call("/metrics").splitlines():
+            if line and not line.startswith("#"):
+                series, _, value = line.rpartition(" ")
+                name = series.split("{", 1)[0]
+                sums[name] = sums.get(name, 0.0) + float(value)
+        return sums
+
+
+@contextmanager
+def served(workdir: Path, env: Dict[str, str], name: str, path: str, connector: Optional[dict] = None):
+    """The server for model ``name`` with the harness's engine settings, scheduler and worker in
+    processes of their own (``--distributed-executor-backend mp``; a one-device server would
+    otherwise run ``uni``: the worker inside the EngineCore process)."""
+    port = _free_port()
+    argv = [
+        sys.executable, "-m", "vllm.entrypoints.openai.api_server",
+        *_cli(harness.engine_kwargs(harness.MODELS[name], path, backend="mp")),
+        "--worker-extension-cls", "vllm_harness.KVRandomizer", "--host", "127.0.0.1", "--port", str(port),
+    ]
+    if connector is not None:
+        argv += ["--kv-transfer-config", json.dumps(_transfer_config(connector))]
+    log_path = workdir / f"server-{name}-{port}.log"
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        server = Server(proc, port, log_path)
+        server.wait_healthy()
+        yield server
+    finally:
+        _stop(proc)
+
+
+def _serve_scenario(server: Server):
+    """P1, then P2 after a forced miss, through HTTP; returns (outputs, external hit tokens per
+    phase, the final /metrics). (No repeat of P1: ``test_vllm.py`` covers it, this is time.)"""
+    p1, p2 = harness.prompts()
+    out, hits, seen = {}, {}, 0.0
+    for seed, (phase, prompt) in enumerate((("p1", p1), ("p2", p2))):
+        if seed:
+            server.randomize_kv(seed)  # after the drain below: nothing in vLLM's cache is valid
+        out[phase] = server.complete(prompt)
+        server.drain()
+        now = server.metrics()[EXTERNAL_HITS + "_total"]
+        hits[phase], seen = now - seen, now
+    return out, hits, server.metrics()
+
+
+# ---- tests ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name, kind", SERVER_CASES)
+def test_server_hits_and_matches_plain(workdir, base_env, model_dirs, reference, store_serve, name, kind):
+    """Under ``vllm serve`` (scheduler and worker in two processes) P2 hits the store after a
+    forced miss, vLLM's /metrics and kvstride's series show it, and the output equals the
+    plain run's in tokens and logprobs."""
+    connector = _store(kind, f"server-{name}-{os.getpid()}")
+    with served(workdir, _env(base_env, kind, store_serve), name, model_dirs[name], connector) as server:
+        got, hits, metrics = _serve_scenario(server)
+    kvstride = {k: v for k, v in metrics.items() if k.startswith("vllm:kvstride_")}
+    # kvstride's own series are exported (build_prom_metrics) whether or not anything hit.
+    assert {"vllm:kvstride_lookups_total", "vllm:kvstride_bytes_loaded_total"} <= set(kvstride), sorted(metrics)
+    assert kvstride["vllm:kvstride_lookups_total"] >= 2, kvstride
+    _assert_hits(hits, name, kvstride)
+    assert kvstride["vllm:kvstride_bytes_loaded_total"] > 0, kvstride
+    assert kvstride.get("vllm:kvstride_failures_total", 0) == 0, kvstride
+    assert _mismatches(got, reference[name]) == []
+
+
+@pytest.mark.parametrize("name, kind", MP_CASES)
+def test_llm_mp_hits_and_matches_plain(workdir, base_env, model_dirs, reference, store_serve, name, kind):
+    """``LLM(distributed_executor_backend="mp")`` in its own process: the harness scenario
+    (forced misses through ``collective_rpc``) hits the store and matches the plain run."""
+    connector = _store(kind, f"mp-{name}-{os.getpid()}")
+    job = dict(model=name, path=model_dirs[name], backend="mp", connector=connector, phases="scenario")
+    # collective_rpc with a function (harness.randomize_kv) needs pickle between the processes.
+    env = _env(base_env, kind, store_serve, VLLM_ALLOW_INSECURE_SERIALIZATION="1")
+    (result,) = _run_engines(workdir, env, [job], f"mp-{name}-{kind}")
+    _assert_hits(result["hits"], name, result["kvstride"])
+    assert result["kvstride"].get("vllm:kvstride_failures", 0) == 0, result["kvstride"]
+    assert _mismatches(_outputs(result["outputs"]), reference[name]) == []
+
+
+@pytest.mark.parametrize("name", SHARED_CASES)
+def test_mooncake_shared_across_engines(workdir, base_env, model_dirs, reference, store_serve, name):
+    """Engine A computes P1 and exits; engine B, a new process with the same PYTHONHASHSEED,
+    gets P2 (after overwriting its KV cache) from what A left in ``kvstride store serve``,
+    with the plain run's tokens and logprobs."""
+    connector = _store("mooncake", f"shared-{name}-{os.getpid()}")
+    env = _env(base_env, "mooncake", store_serve, VLLM_ENABLE_V1_MULTIPROCESSING="0")
+    job = dict(model=name, path=model_dirs[name], backend="uni", connector=connector)
+    (a,) = _run_engines(workdir, env, [dict(job, phases=["p1"])], f"shared-{name}-a")
+    assert a["hits"] == {"p1": 0}, a  # (its puts may finish after the last stats: B's hits tell)
+    (b,) = _run_engines(workdir, env, [dict(job, phases=["p2"])], f"shared-{name}-b")
+    _assert_hits(b["hits"], name, b["kvstride"])
+    assert b["kvstride"].get("vllm:kvstride_failures", 0) == 0, b["kvstride"]
+    got = {**_outputs(a["outputs"]), **_outputs(b["outputs"])}
+    assert _mismatches(got, reference[name]) == []
+
+
+def test_tensor_parallel_two_ranks(workdir, base_env, model_dirs, store_serve):
+    """TP=2 on the CPU build (two Worker processes, each with its own arena shard): a save is
+    readable only once both ranks wrote it, and the hit both ranks load matches a plain TP=2
+    run (TP changes vLLM's reduction order, so the reference is TP=2 too). The CPU build binds
+    one OpenMP thread set per rank; on one NUMA node that needs an explicit binding."""
+    name = "gemma3"
+    job = dict(model=name, path=model_dirs[name], backend="mp", tp=2, phases="scenario")
+    env = _env(base_env, "embedded", store_serve, VLLM_ALLOW_INSECURE_SERIALIZATION="1",
+               VLLM_CPU_OMP_THREADS_BIND="0|1")
+    plain, result = _run_engines(
+        workdir, env, [{**job, "connector": None}, {**job, "connector": _store("embedded", "tp2")}], f"tp2-{name}"
+    )
+    _assert_hits(result["hits"], name, result["kvstride"])
+    assert result["kvstride"].get("vllm:kvstride_failures", 0) == 0, result["kvstride"]
+    assert _mismatches(_outputs(result["outputs"]), _outputs(plain["outputs"])) == []
