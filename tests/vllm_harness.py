@@ -121,7 +121,8 @@ MODELS: Dict[str, Model] = {
     "lfm2": Model("lfm2", lfm2, 32, _MAMBA),
 }
 
-#: The external hit vLLM's MooncakeStoreConnector reaches (P2 sharing 384 of 480 tokens).
+#: The external hit vLLM's MooncakeStoreConnector reaches under these settings for P2 (sharing
+#: 384 of 480 tokens), measured by benches/vllm_connectors.py: 384 on every model.
 PEER_HITS = {"llama": 384, "gemma3": 384, "qwen3_next": 384, "lfm2": 384}
 
 
