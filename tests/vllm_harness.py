@@ -101,6 +101,19 @@ def lfm2(path: Path) -> str:
     return _write_model(path, cfg, extra_config={"conv_dim": 64, "block_dim": 64})
 
 
+def gpt_oss(path: Path) -> str:
+    """A sliding-window layer (window 64) + a full-attention layer, 4 experts (MoE, sinks)."""
+    from transformers import GptOssConfig
+
+    cfg = GptOssConfig(
+        num_hidden_layers=2, num_local_experts=4, num_experts_per_tok=2, sliding_window=64,
+        layer_types=["sliding_attention", "full_attention"],
+        tie_word_embeddings=False, **_COMMON,
+    )
+    cfg.architectures = ["GptOssForCausalLM"]
+    return _write_model(path, cfg)
+
+
 @dataclass(frozen=True)
 class Model:
     name: str
@@ -119,11 +132,12 @@ MODELS: Dict[str, Model] = {
     "gemma3": Model("gemma3", gemma3, 32),
     "qwen3_next": Model("qwen3_next", qwen3_next, 160, _MAMBA),
     "lfm2": Model("lfm2", lfm2, 32, _MAMBA),
+    "gpt_oss": Model("gpt_oss", gpt_oss, 32),
 }
 
 #: The external hit vLLM's MooncakeStoreConnector reaches under these settings for P2 (sharing
 #: 384 of 480 tokens), measured by benches/vllm_connectors.py: 384 on every model.
-PEER_HITS = {"llama": 384, "gemma3": 384, "qwen3_next": 384, "lfm2": 384}
+PEER_HITS = {"llama": 384, "gemma3": 384, "qwen3_next": 384, "lfm2": 384, "gpt_oss": 384}
 
 
 def prompts() -> Tuple[List[int], List[int]]:
