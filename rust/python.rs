@@ -1296,6 +1296,23 @@ fn _load_rows<'py>(
     Ok(PyArray1::from_vec(py, ok))
 }
 
+/// `_copy_regions(src, dst, lengths)`: copy `lengths[i]` bytes from address `src[i]` to
+/// `dst[i]` with the GIL released (no torch thread pool: it runs beside vLLM's bound OpenMP
+/// threads from any thread). Same contract as `_save_rows`.
+#[pyfunction]
+fn _copy_regions(
+    py: Python<'_>,
+    src: PyReadonlyArray1<'_, u64>,
+    dst: PyReadonlyArray1<'_, u64>,
+    lengths: PyReadonlyArray1<'_, u64>,
+) -> PyResult<()> {
+    let (s, d, l) = (region_slice(&src)?, region_slice(&dst)?, region_slice(&lengths)?);
+    same_lengths(&[s, d, l])?;
+    // SAFETY: as `_save_rows`.
+    py.detach(|| unsafe { crate::regions::copy_regions(s, d, l) });
+    Ok(())
+}
+
 /// `_xxh3_64_regions(addrs, lengths) -> numpy.ndarray[uint64]`: the XXH3-64 of each raw region,
 /// with the GIL released. Same contract as `_save_rows`.
 #[pyfunction]
@@ -1329,6 +1346,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(xxh3_64_parts, m)?)?;
     m.add_function(wrap_pyfunction!(xxh3_64_batch, m)?)?;
     m.add_function(wrap_pyfunction!(_save_rows, m)?)?;
+    m.add_function(wrap_pyfunction!(_copy_regions, m)?)?;
     m.add_function(wrap_pyfunction!(_load_rows, m)?)?;
     m.add_function(wrap_pyfunction!(_xxh3_64_regions, m)?)?;
     m.add("HASH_ALGOS", HashAlgo::NAMES.to_vec())?;

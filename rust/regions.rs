@@ -9,6 +9,23 @@ use rayon::prelude::*;
 /// Below this many bytes in a batch one thread does all of it (thread wake-ups cost more).
 pub const PARALLEL_BYTES: u64 = 1 << 20;
 
+/// Copy `len[i]` bytes from address `src[i]` to address `dst[i]`, for every `i`.
+///
+/// # Safety
+/// Every source region must be readable and every destination region writable for its
+/// length during the call, and no destination may overlap any other region of the batch.
+pub unsafe fn copy_regions(src: &[u64], dst: &[u64], len: &[u64]) {
+    let copy = |i: usize| {
+        // SAFETY: the caller's contract above.
+        unsafe { std::ptr::copy_nonoverlapping(src[i] as *const u8, dst[i] as *mut u8, len[i] as usize) }
+    };
+    if len.len() > 1 && len.iter().sum::<u64>() >= PARALLEL_BYTES {
+        (0..len.len()).into_par_iter().for_each(copy);
+    } else {
+        (0..len.len()).for_each(copy);
+    }
+}
+
 /// XXH3-64 (seed 0) of each region `addr[i]`, `len[i]`.
 ///
 /// # Safety
@@ -110,6 +127,17 @@ pub unsafe fn load_rows(rows: &Rows<'_>, expected: &[u64]) -> Vec<bool> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn copies_every_region_and_nothing_else() {
+        let src: Vec<u8> = (0..=255).collect();
+        let mut dst = vec![0u8; 256];
+        let (s, d) = (src.as_ptr() as u64, dst.as_mut_ptr() as u64);
+        unsafe { copy_regions(&[s + 10, s + 100], &[d, d + 200], &[5, 3]) };
+        assert_eq!(&dst[..5], &src[10..15]);
+        assert_eq!(&dst[200..203], &src[100..103]);
+        assert!(dst[5..200].iter().all(|&b| b == 0) && dst[203..].iter().all(|&b| b == 0));
+    }
 
     #[test]
     fn digests_match_xxh3_of_each_region() {

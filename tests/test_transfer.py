@@ -147,22 +147,27 @@ def test_odd_sizes_and_duplicate_blocks():
     batch.release()
 
 
-def test_gather_is_batched_not_per_block(monkeypatch):
-    """A batch of many blocks costs one index_select per (group, piece)."""
+def test_copies_are_batched_not_per_block(monkeypatch):
+    """A batch of many blocks costs one raw region copy in the core on CPU, each way."""
+    from kvstride import _core
+
     kv, groups = kvdata.ring_and_big(nb=64)
     layout = KVLayout(kv, groups)
     tr = Transfer(layout, StagingPool(64 << 20))
     calls = []
-    real = torch.index_select
+    real = _core._copy_regions
 
-    def counting(*a, **k):
-        calls.append(1)
-        return real(*a, **k)
+    def counting(src, dst, lengths):
+        calls.append(len(lengths))
+        return real(src, dst, lengths)
 
-    monkeypatch.setattr(torch, "index_select", counting)
-    batch = tr.stage([(g, b) for g in (0, 1) for b in range(60)])
+    monkeypatch.setattr(_core, "_copy_regions", counting)
+    blocks = [(g, b) for g in (0, 1) for b in range(60)]
+    batch = tr.stage(blocks)
     tr.gather(batch).wait()
-    assert len(calls) == sum(len(g.pieces) for g in layout.groups)
+    tr.scatter(batch, ok=[i % 2 == 0 for i in range(len(blocks))]).wait()
+    pieces = sum(60 * len(g.pieces) for g in layout.groups)
+    assert calls == [pieces, pieces // 2]  # one call each way; the mask halves the scatter
     batch.release()
 
 

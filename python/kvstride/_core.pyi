@@ -192,5 +192,9 @@ def _load_rows(src: np.ndarray, dst: np.ndarray, lengths: np.ndarray, row_start:
                value_addr: np.ndarray, value_len: np.ndarray, expected: np.ndarray) -> np.ndarray:
     """Copy each row only when its value region's XXH3-64 is ``expected``; which rows were."""
 
+def _copy_regions(src: np.ndarray, dst: np.ndarray, lengths: np.ndarray) -> None:
+    """Copy ``lengths[i]`` bytes from address ``src[i]`` to ``dst[i]``, GIL released, no torch
+    thread pool (``kvstride.transfer`` on CPU)."""
+
 def _xxh3_64_regions(addrs: np.ndarray, lengths: np.ndarray) -> np.ndarray:
     """XXH3-64 of each raw region, GIL released (``kvstride.arena``)."""
