@@ -25,7 +25,7 @@ import kvstride.vllm as kv_vllm  # noqa: E402
 import vllm_harness as harness  # noqa: E402
 from kvstride.arena import HostArena  # noqa: E402
 from kvstride.stores import MooncakeStore, Status  # noqa: E402
-from mooncake_fixture import fresh_master, mooncake_master  # noqa: E402,F401
+from mooncake_fixture import fresh_master, mooncake_master  # noqa: E402,F401  (fixtures)
 
 MODELS = list(harness.MODELS)
 

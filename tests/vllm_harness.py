@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import gc
 import json
-import os
 import time
 from dataclasses import dataclass
 from pathlib import Path

@@ -72,13 +72,9 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     SupportsHMA,
 )
 
-__all__ = ["KVStrideConnector", "KVStrideMetadata", "group_specs", "shared_store"]
+__all__ = ["KVStrideConnector", "KVStrideMetadata", "KVStrideWorkerMetadata", "group_specs", "shared_store"]
 
 log = logging.getLogger("kvstride.vllm")
-
-#: Seconds a synchronous load (or a drain of saves at request end) may take before its
-#: blocks are reported failed / released.
-WAIT_TIMEOUT_S = 60.0
 
 # ---- stores shared by the connectors of one process ------------------------------------
 
