@@ -282,3 +282,27 @@ def test_store_full_keeps_serving(model_dirs, plain_outputs):
     assert harness.mismatches(got, plain_outputs(name)) == []
     refused = {k: v for k, v in counters.items() if k.startswith("put_") and k not in ("put_ok", "put_skipped_present")}
     assert refused or evictions, counters
+
+
+def test_a_hit_whose_load_cannot_be_recorded_is_recomputed(model_dirs, plain_outputs, monkeypatch):
+    """The hit was claimed asynchronously (vLLM parks the request), then recording its load
+    fails: the request is reported failed and recomputed, never left waiting."""
+    name = "gemma3"
+    armed = [False]
+    real = kv_vllm.LoadRequest
+
+    def load_request(*args, **kwargs):
+        if armed[0]:
+            raise RuntimeError("bookkeeping exploded")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(kv_vllm, "LoadRequest", load_request)
+    llm = LLM(**harness.engine_kwargs(harness.MODELS[name], model_dirs[name], connector={"store": "embedded"}))
+    try:
+        sched, worker = _connectors(llm)
+        got = harness.scenario(llm, after=lambda phase: armed.__setitem__(0, phase == "p1"))
+        counters = dict(worker.counters)
+    finally:
+        harness.close(llm)
+    assert sched.matched_tokens > 0 and counters.get("loads_failed") == 1, counters
+    assert harness.mismatches(got, plain_outputs(name)) == []

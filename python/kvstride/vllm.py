@@ -175,6 +175,7 @@ class KVStrideMetadata(KVConnectorMetadata):
     saves: List[SaveRequest] = field(default_factory=list)
     preempted: List[str] = field(default_factory=list)
     finished_tails: List[str] = field(default_factory=list)  # finished req ids saved this step
+    failed_loads: List[str] = field(default_factory=list)  # claimed hits no load could be planned for
     arena_loads: Dict[str, ArenaCopy] = field(default_factory=dict)  # req id -> copy (embedded)
     arena_saves: Dict[int, ArenaCopy] = field(default_factory=dict)  # save job id -> copy
 
@@ -280,6 +281,7 @@ class KVStrideConnector(KVConnectorBase_V1, SupportsHMA):
         self._local: Dict[str, int] = {}
         self._pending_loads: Dict[str, LoadRequest] = {}
         self._loading: set = set()  # req ids whose asynchronous load is in flight
+        self._failed_allocs: set = set()  # claimed hits whose load could not even be recorded
         self._recompute: set = set()  # req ids whose load failed: no hit is claimed for them again
         self._finished_tails: Dict[str, tuple] = {}  # req id -> (hashes, tables, hand-offs)
         # worker side
@@ -381,8 +383,10 @@ class KVStrideConnector(KVConnectorBase_V1, SupportsHMA):
                 rid, list(request.block_hashes), block_ids, hit_tokens=local + int(num_external_tokens), local_tokens=local
             )
             self._loading.add(rid)
-        except Exception as err:
-            log.warning("kvstride update_state_after_alloc failed: %r", err)
+        except Exception as err:  # the request waits for a load: report it failed, never hang
+            log.warning("kvstride update_state_after_alloc failed, the hit is recomputed: %r", err)
+            self._failed_allocs.add(request.request_id)
+            self._loading.add(request.request_id)
 
     def update_connector_output(self, connector_output) -> None:
         for rid in connector_output.finished_recving or ():
@@ -401,8 +405,9 @@ class KVStrideConnector(KVConnectorBase_V1, SupportsHMA):
         self._sreqs[request.request_id] = _SchedReq(request)
 
     def build_connector_meta(self, scheduler_output) -> KVStrideMetadata:
-        meta = KVStrideMetadata(loads=list(self._pending_loads.values()))
+        meta = KVStrideMetadata(loads=list(self._pending_loads.values()), failed_loads=sorted(self._failed_allocs))
         self._pending_loads.clear()
+        self._failed_allocs.clear()
         if self.index is not None:  # pin the loads' slots before any save can evict one
             meta.arena_loads = {load.req_id: self._plan_arena_load(load) for load in meta.loads}
             meta.loads = []
@@ -628,6 +633,12 @@ class KVStrideConnector(KVConnectorBase_V1, SupportsHMA):
             return
         if not isinstance(meta, KVStrideMetadata):
             return
+        if meta.failed_loads:
+            self._load_failed.update(meta.failed_loads)
+            if self.arena is not None:
+                self._arena_counters["loads_failed"] += len(meta.failed_loads)
+            elif self.engine is not None:
+                self.engine._count("loads_failed", len(meta.failed_loads))
         for rid, copy in meta.arena_loads.items():
             self._start_arena_load(rid, copy)
         if not meta.loads:
