@@ -197,6 +197,7 @@ class HostArena:
         self.digests = np.zeros(self.num_slots, dtype=np.uint64)
         self.slot_group = np.full(self.num_slots, -1, dtype=np.int64)  # -1: never written
         self._groups = [self._group_copy(g) for g in layout.groups]
+        self.block_bytes = np.array([g.block_bytes for g in layout.groups], dtype=np.uint64)  # per group
         self._views: Dict[tuple, tuple] = {}
 
     @property
@@ -241,14 +242,14 @@ class HostArena:
         order = np.concatenate(order) if order else np.zeros(0, dtype=np.int64)
         row_start = np.concatenate([[0], np.cumsum(np.concatenate(counts))]) if counts else np.zeros(1)
         value_addr = self.ptr + slots[order].astype(np.uint64) * np.uint64(self.slot_bytes)
-        value_len = np.array([self._groups[g].block_bytes for g in groups[order]], dtype=np.uint64)
+        value_len = self.block_bytes[groups[order]]
         flat = (np.concatenate(x) if x else np.zeros(0, dtype=np.uint64) for x in (kv, arena, length))
         kv, arena, length = (np.ascontiguousarray(x, dtype=np.uint64) for x in flat)
         return kv, arena, length, row_start.astype(np.uint64), value_addr, value_len, order
 
     def _digest(self, slots: np.ndarray, groups: np.ndarray) -> np.ndarray:
         addrs = np.ascontiguousarray(self.ptr + slots.astype(np.uint64) * np.uint64(self.slot_bytes))
-        lengths = np.array([self._groups[g].block_bytes for g in groups], dtype=np.uint64)
+        lengths = np.ascontiguousarray(self.block_bytes[groups])
         return _core._xxh3_64_regions(addrs, lengths)
 
     # ---- the torch path (device tensors) ------------------------------------------------

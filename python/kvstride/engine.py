@@ -161,7 +161,8 @@ class OffloadEngine:
             self._logged.add(what)
         log.warning(message, *args)
 
-    def _count(self, name: str, n: int = 1) -> None:
+    def count(self, name: str, n: int = 1) -> None:
+        """Add ``n`` to counter ``name`` (thread-safe; drivers count their own outcomes here)."""
         with self._lock:
             self.counters[name] += n
 
@@ -206,7 +207,7 @@ class OffloadEngine:
         ``shutdown`` every request misses and the store is not called."""
         with self._lock:
             if self._closed:
-                self._count("lookups_refused", len(requests))
+                self.count("lookups_refused", len(requests))
                 return {req_id: 0 for req_id, _, _ in requests}
             self._lookups_in_flight += 1
         try:
@@ -225,7 +226,7 @@ class OffloadEngine:
                 keys = self.planner.lookup_keys(hashes, num_tokens)
             except Exception as err:  # a malformed request misses; the others go on
                 self._log_once("lookup-request", "lookup of request %s refused: %r", req_id, err)
-                self._count("lookup_errors")
+                self.count("lookup_errors")
                 keys = None
             per_request.append((req_id, hashes, num_tokens, keys))
             for key in keys or ():
@@ -238,7 +239,7 @@ class OffloadEngine:
                     raise RuntimeError(f"exists answered {len(present)} of {len(unique)} keys")
             except Exception as err:  # the store's own failures are statuses; this is a bug
                 self._log_once("lookup", "lookup failed, treating every request as a miss: %r", err)
-                self._count("lookup_errors")
+                self.count("lookup_errors")
                 present = [False] * len(unique)
         hits = {}
         for req_id, hashes, num_tokens, keys in per_request:
@@ -251,7 +252,7 @@ class OffloadEngine:
             self.counters["lookups"] += len(per_request)
             self.counters["lookup_hit_tokens"] += sum(hits.values())
             self.counters["lookup_tokens"] += sum(n for _, _, n, _ in per_request)
-        self._count("lookup_keys", len(unique))
+        self.count("lookup_keys", len(unique))
         self._time("lookup", time.perf_counter() - start)
         return hits
 
@@ -292,7 +293,7 @@ class OffloadEngine:
             self._stage_saves(job)
         except Exception as err:  # never into the driver: fail these saves, keep going
             self._log_once("save-bug", "save job of step %d failed: %r", step, err)
-            self._count("save_job_errors")
+            self.count("save_job_errors")
             self._release(job)
             self._finish_saves(job, failed_all=True)
             return step
@@ -366,7 +367,7 @@ class OffloadEngine:
                     self._execute_save(job)
             except Exception as err:  # the job's own error reporting failed: keep the lane
                 self._log_once("worker-bug", "job of step %d could not be reported: %r", job.step, err)
-                self._count("worker_errors")
+                self.count("worker_errors")
             finally:
                 lane.task_done()
 
@@ -375,7 +376,7 @@ class OffloadEngine:
             self._load(job.loads)
         except Exception as err:  # never into the driver: fail the loads, keep going
             self._log_once("load-bug", "load job of step %d failed: %r", job.step, err)
-            self._count("load_job_errors")
+            self.count("load_job_errors")
             with self._lock:
                 for load in job.loads:
                     self._finished.loads_done.add(load.req_id)
@@ -389,7 +390,7 @@ class OffloadEngine:
             self._put(job)
         except Exception as err:
             self._log_once("save-bug", "save job of step %d failed: %r", job.step, err)
-            self._count("save_job_errors")
+            self.count("save_job_errors")
             job.failed.update(save.req_id for save in job.saves)
         finally:
             self._release(job)
@@ -454,7 +455,7 @@ class OffloadEngine:
             puts = list(plan.puts)
             if save.handoffs:
                 tail = planner.plan_tail(save.block_hashes, save.block_ids, save.handoffs, saved_offset=offset)
-                self._count(f"tail_{tail.outcome}")
+                self.count(f"tail_{tail.outcome}")
                 if tail.outcome == "divergent_boundaries":
                     self._log_once(
                         "divergent",
@@ -465,7 +466,7 @@ class OffloadEngine:
                 puts.extend(tail.puts)
             for key, group, block_id in puts:
                 if not self._in_layout(group, block_id):  # a table naming blocks we do not have
-                    self._count("save_bad_block")
+                    self.count("save_bad_block")
                     self._log_once("save-bad-block", "request %s: block %d of group %d is not in the KV cache", save.req_id, block_id, group)
                     failed.add(save.req_id)
                     continue
@@ -482,7 +483,7 @@ class OffloadEngine:
             present = [bool(p) for p in known([key for key, _, _ in entries])]
             if len(present) != len(entries):  # a short answer: put everything (puts are idempotent)
                 present = [False] * len(entries)
-            self._count("put_skipped_present", sum(present))
+            self.count("put_skipped_present", sum(present))
             entries = [e for e, p in zip(entries, present) if not p]
         return entries, owners, ends, failed
 
@@ -509,10 +510,10 @@ class OffloadEngine:
             self._release_batch(batch)
             for (key, group, _), status in zip(batch_entries, statuses):
                 if status is Status.OK:
-                    self._count("put_ok")
-                    self._count("bytes_stored", self.transfer.layout.block_bytes(group))
+                    self.count("put_ok")
+                    self.count("bytes_stored", self.transfer.layout.block_bytes(group))
                 else:
-                    self._count(f"put_{status.value}")
+                    self.count(f"put_{status.value}")
                     self._log_once(f"put-{status.value}", "store put failed (%s); first key %s", status.value, key)
                     job.failed.update(job.owners[key])
 
@@ -548,13 +549,13 @@ class OffloadEngine:
                 load.block_hashes, load.block_ids, load.hit_tokens, local_tokens=load.local_tokens
             )
             if plan.missing:  # recomputed as a whole: nothing of it is fetched
-                self._count("load_missing_destination", len(plan.missing))
+                self.count("load_missing_destination", len(plan.missing))
                 failed[load.req_id] = self._all_blocks(load)
                 continue
             for entry in plan.gets:
                 _, group, block_id = entry
                 if not self._in_layout(group, block_id):
-                    self._count("load_bad_block")
+                    self.count("load_bad_block")
                     self._log_once("load-bad-block", "request %s: destination block %d of group %d is not in the KV cache", load.req_id, block_id, group)
                     failed.setdefault(load.req_id, set()).add((group, block_id))
                     continue
@@ -574,10 +575,10 @@ class OffloadEngine:
             for i, ((key, group, block_id), status) in enumerate(zip(batch_entries, statuses)):
                 req_id = owner[position + i]
                 if status is Status.OK:
-                    self._count("get_ok")
-                    self._count("bytes_loaded", self.transfer.layout.block_bytes(group))
+                    self.count("get_ok")
+                    self.count("bytes_loaded", self.transfer.layout.block_bytes(group))
                 else:
-                    self._count(f"get_{status.value}")
+                    self.count(f"get_{status.value}")
                     self._log_once(f"get-{status.value}", "store get failed (%s); first key %s", status.value, key)
                     failed.setdefault(req_id, set()).add((group, block_id))
             position += len(batch_entries)
@@ -587,9 +588,9 @@ class OffloadEngine:
                 self._finished.loads_done.add(load.req_id)
                 if load.req_id in failed:
                     self._finished.loads_failed[load.req_id] = failed[load.req_id]
-                    self._count("loads_failed")
+                    self.count("loads_failed")
                 else:
-                    self._count("loads_ok")
+                    self.count("loads_ok")
                     # The loaded prefix is in the store: this request's saves start after it.
                     state = self._requests.setdefault(load.req_id, _RequestState())
                     done_to = load.hit_tokens // aligned * aligned

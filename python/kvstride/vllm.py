@@ -51,6 +51,8 @@ import threading
 import time
 import types
 from concurrent.futures import Future, ThreadPoolExecutor
+
+import numpy as np
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Tuple
 
@@ -432,7 +434,7 @@ class KVStrideConnector(KVConnectorBase_V1, SupportsHMA):
             )
             slots = None if plan.missing else self.index.pin([key for key, _, _ in plan.gets])
             if slots is None:
-                self.engine._count("load_missing_destination" if plan.missing else "load_not_ready")
+                self.engine.count("load_missing_destination" if plan.missing else "load_not_ready")
                 return ArenaCopy(failed=True)
             self._load_pins[load.req_id] = slots
             return ArenaCopy(slots, [g for _, g, _ in plan.gets], [b for _, _, b in plan.gets])
@@ -452,7 +454,7 @@ class KVStrideConnector(KVConnectorBase_V1, SupportsHMA):
         slots = self.index.reserve(keys)
         kept = [(e, s) for e, s in zip(entries, slots) if s is not None]
         if len(kept) < len(entries):
-            self.engine._count("put_full", len(entries) - len(kept))
+            self.engine.count("put_full", len(entries) - len(kept))
             failed.update(rid for (key, _, _), s in zip(entries, slots) if s is None for rid in owners[key])
         job = _ArenaSaveJob([e[0] for e, _ in kept], owners, saves, states, ends, failed)
         for save, state in zip(saves, states):
@@ -477,21 +479,21 @@ class KVStrideConnector(KVConnectorBase_V1, SupportsHMA):
             del self._arena_jobs[job_id]
             if job.bad:
                 self.index.abandon(job.keys)
-                self.engine._count("put_error", len(job.keys))
+                self.engine.count("put_error", len(job.keys))
                 job.failed.update(rid for key in job.keys for rid in job.owners[key])
             else:
                 self.index.confirm(job.keys)
-                self.engine._count("put_ok", len(job.keys))
+                self.engine.count("put_ok", len(job.keys))
             self._finish_arena_job(job, job.failed)
 
     def _finish_arena_job(self, job: _ArenaSaveJob, failed: set) -> None:
         for save, state, end in zip(job.saves, job.states, job.ends):
             if save.req_id in failed:
                 state.planned = state.offset
-                self.engine._count("saves_failed")
+                self.engine.count("saves_failed")
             else:
                 state.offset = max(state.offset, end)
-                self.engine._count("saves_ok")
+                self.engine.count("saves_ok")
 
     def _build_saves(self, so, meta: KVStrideMetadata) -> None:
         for rid in so.preempted_req_ids or ():
@@ -638,7 +640,7 @@ class KVStrideConnector(KVConnectorBase_V1, SupportsHMA):
             if self.arena is not None:
                 self._arena_counters["loads_failed"] += len(meta.failed_loads)
             elif self.engine is not None:
-                self.engine._count("loads_failed", len(meta.failed_loads))
+                self.engine.count("loads_failed", len(meta.failed_loads))
         for rid, copy in meta.arena_loads.items():
             self._start_arena_load(rid, copy)
         if not meta.loads:
@@ -724,7 +726,7 @@ class KVStrideConnector(KVConnectorBase_V1, SupportsHMA):
             self.arena.save(copy.slots, copy.groups, copy.block_ids)
             self._arena_reports[job_id] = [1, 0]
             self._arena_counters["put_ok"] += len(copy.slots)
-            self._arena_counters["bytes_stored"] += sum(self.arena.layout.block_bytes(g) for g in copy.groups)
+            self._arena_counters["bytes_stored"] += int(self.arena.block_bytes[np.asarray(copy.groups)].sum())
         except Exception as err:
             log.warning("kvstride: arena save job %d failed: %r", job_id, err)
             self._arena_reports[job_id] = [0, 1]
@@ -742,13 +744,11 @@ class KVStrideConnector(KVConnectorBase_V1, SupportsHMA):
         start = time.perf_counter()
         ok = self.arena.load(copy.slots, copy.groups, copy.block_ids)
         self._arena_seconds["get"] += time.perf_counter() - start
-        self._corrupt_slots.extend(int(s) for s, good in zip(copy.slots, ok) if not good)
+        self._corrupt_slots.extend(np.asarray(copy.slots)[~ok].tolist())
         loaded = int(ok.sum())
         self._arena_counters["get_ok"] += loaded
         self._arena_counters["get_corrupt"] += len(ok) - loaded
-        self._arena_counters["bytes_loaded"] += sum(
-            self.arena.layout.block_bytes(g) for g, good in zip(copy.groups, ok) if good
-        )
+        self._arena_counters["bytes_loaded"] += int(self.arena.block_bytes[np.asarray(copy.groups)[ok]].sum())
         return bool(ok.all())
 
     def _arena_loads_done(self):
