@@ -1229,22 +1229,16 @@ fn arena_rows<'a>(
     dst: &'a PyReadonlyArray1<'_, u64>,
     lengths: &'a PyReadonlyArray1<'_, u64>,
     row_start: &'a PyReadonlyArray1<'_, u64>,
-    value_addr: &'a PyReadonlyArray1<'_, u64>,
-    value_len: &'a PyReadonlyArray1<'_, u64>,
 ) -> PyResult<crate::regions::Rows<'a>> {
     let rows = crate::regions::Rows {
         src: region_slice(src)?,
         dst: region_slice(dst)?,
         len: region_slice(lengths)?,
         row_start: region_slice(row_start)?,
-        value_addr: region_slice(value_addr)?,
-        value_len: region_slice(value_len)?,
     };
     same_lengths(&[rows.src, rows.dst, rows.len])?;
-    same_lengths(&[rows.value_addr, rows.value_len])?;
     let n = rows.len.len() as u64;
-    let starts_ok = rows.row_start.len() == rows.value_addr.len() + 1
-        && rows.row_start.first() == Some(&0)
+    let starts_ok = rows.row_start.first() == Some(&0)
         && rows.row_start.last() == Some(&n)
         && rows.row_start.windows(2).all(|w| w[0] <= w[1]);
     if !starts_ok {
@@ -1253,44 +1247,41 @@ fn arena_rows<'a>(
     Ok(rows)
 }
 
-/// `_save_rows(src, dst, lengths, row_start, value_addr, value_len) -> numpy uint64`: copy
-/// each row's regions, then XXH3-64 the row's value region; GIL released. Unchecked raw
-/// memory access: only for `kvstride.arena`, which derives every address from tensors it holds.
+/// `_save_rows(src, dst, lengths, row_start) -> numpy uint64`: copy each row's regions and
+/// return the XXH3-64 of each row's bytes (its regions in order); GIL released. Unchecked raw
+/// memory access: only for kvstride's own copies (`kvstride.arena`, `kvstride.transfer`),
+/// which derive every address from tensors and buffers they hold.
 #[pyfunction]
-#[allow(clippy::too_many_arguments)]
 fn _save_rows<'py>(
     py: Python<'py>,
     src: PyReadonlyArray1<'py, u64>,
     dst: PyReadonlyArray1<'py, u64>,
     lengths: PyReadonlyArray1<'py, u64>,
     row_start: PyReadonlyArray1<'py, u64>,
-    value_addr: PyReadonlyArray1<'py, u64>,
-    value_len: PyReadonlyArray1<'py, u64>,
 ) -> PyResult<Bound<'py, PyArray1<u64>>> {
-    let rows = arena_rows(&src, &dst, &lengths, &row_start, &value_addr, &value_len)?;
-    // SAFETY: the arena's contract (see the docstring): live, non-overlapping regions.
+    let rows = arena_rows(&src, &dst, &lengths, &row_start)?;
+    // SAFETY: the contract in the docstring: live, non-overlapping regions.
     let digests = py.detach(|| unsafe { crate::regions::save_rows(&rows) });
     Ok(PyArray1::from_vec(py, digests))
 }
 
-/// `_load_rows(src, dst, lengths, row_start, value_addr, value_len, expected) -> numpy bool`:
-/// XXH3-64 each row's value region and copy the row only when it equals `expected`; GIL
-/// released. Same contract as `_save_rows`.
+/// `_load_rows(src, dst, lengths, row_start, expected) -> numpy bool`: XXH3-64 each row's
+/// source bytes and copy the row only when it equals `expected`; GIL released. Same contract
+/// as `_save_rows`.
 #[pyfunction]
-#[allow(clippy::too_many_arguments)]
 fn _load_rows<'py>(
     py: Python<'py>,
     src: PyReadonlyArray1<'py, u64>,
     dst: PyReadonlyArray1<'py, u64>,
     lengths: PyReadonlyArray1<'py, u64>,
     row_start: PyReadonlyArray1<'py, u64>,
-    value_addr: PyReadonlyArray1<'py, u64>,
-    value_len: PyReadonlyArray1<'py, u64>,
     expected: PyReadonlyArray1<'py, u64>,
 ) -> PyResult<Bound<'py, PyArray1<bool>>> {
-    let rows = arena_rows(&src, &dst, &lengths, &row_start, &value_addr, &value_len)?;
+    let rows = arena_rows(&src, &dst, &lengths, &row_start)?;
     let expected = region_slice(&expected)?;
-    same_lengths(&[rows.value_addr, expected])?;
+    if expected.len() + 1 != rows.row_start.len() {
+        return Err(PyValueError::new_err("expected needs one digest per row"));
+    }
     // SAFETY: as `_save_rows`.
     let ok = py.detach(|| unsafe { crate::regions::load_rows(&rows, expected) });
     Ok(PyArray1::from_vec(py, ok))

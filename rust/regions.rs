@@ -44,84 +44,102 @@ pub unsafe fn xxh3_regions(addr: &[u64], len: &[u64]) -> Vec<u64> {
     }
 }
 
-/// Rows of a batch: row `r` is the regions `row_start[r]..row_start[r + 1]` (copied), and the
-/// value whose digest it keeps: `value_len[r]` bytes at `value_addr[r]` (the arena slot).
+/// Rows of a batch: row `r` is the regions `row_start[r]..row_start[r + 1]`, copied from
+/// `src` to `dst`; its value (whose digest is kept or checked) is the bytes of those regions
+/// in order: what a store holds for one block, wherever its pieces lie.
 pub struct Rows<'a> {
     pub src: &'a [u64],
     pub dst: &'a [u64],
     pub len: &'a [u64],
     pub row_start: &'a [u64],
-    pub value_addr: &'a [u64],
-    pub value_len: &'a [u64],
 }
 
 impl Rows<'_> {
     fn rows(&self) -> usize {
-        self.value_addr.len()
+        self.row_start.len().saturating_sub(1)
+    }
+
+    fn regions(&self, r: usize) -> std::ops::Range<usize> {
+        self.row_start[r] as usize..self.row_start[r + 1] as usize
     }
 
     /// # Safety
-    /// Every source region of row `r` readable, every destination writable, none overlapping.
-    unsafe fn copy_row(&self, r: usize) {
-        let (a, b) = (self.row_start[r] as usize, self.row_start[r + 1] as usize);
-        for i in a..b {
-            // SAFETY: the caller's contract.
-            unsafe {
-                std::ptr::copy_nonoverlapping(self.src[i] as *const u8, self.dst[i] as *mut u8, self.len[i] as usize)
-            }
-        }
-    }
-
-    /// # Safety
-    /// The value region of row `r` must be readable.
-    unsafe fn digest(&self, r: usize) -> u64 {
+    /// Region `i` must be readable at `addr[i]` for `len[i]` bytes.
+    unsafe fn bytes<'b>(&self, addr: &'b [u64], i: usize) -> &'b [u8] {
         // SAFETY: the caller's contract.
-        let bytes = unsafe { std::slice::from_raw_parts(self.value_addr[r] as *const u8, self.value_len[r] as usize) };
-        xxhash_rust::xxh3::xxh3_64(bytes)
+        unsafe { std::slice::from_raw_parts(addr[i] as *const u8, self.len[i] as usize) }
+    }
+
+    /// XXH3-64 of row `r`'s bytes at `addr` (its regions in order): one pass when they are
+    /// back to back (an arena slot), streamed otherwise (staged pieces).
+    ///
+    /// # Safety
+    /// Every region of row `r` must be readable at `addr`.
+    unsafe fn digest(&self, addr: &[u64], r: usize) -> u64 {
+        let regions = self.regions(r);
+        let contiguous = regions.clone().skip(1).all(|i| addr[i] == addr[i - 1] + self.len[i - 1]);
+        if contiguous && !regions.is_empty() {
+            let total: u64 = self.len[regions.clone()].iter().sum();
+            // SAFETY: the regions are readable and back to back.
+            return xxhash_rust::xxh3::xxh3_64(unsafe { std::slice::from_raw_parts(addr[regions.start] as *const u8, total as usize) });
+        }
+        let mut hasher = xxhash_rust::xxh3::Xxh3::new();
+        for i in regions {
+            // SAFETY: the caller's contract.
+            hasher.update(unsafe { self.bytes(addr, i) });
+        }
+        hasher.digest()
     }
 
     fn parallel(&self) -> bool {
-        self.rows() > 1 && self.value_len.iter().sum::<u64>() >= PARALLEL_BYTES
+        self.rows() > 1 && self.len.iter().sum::<u64>() >= PARALLEL_BYTES
+    }
+
+    fn each<T: Send>(&self, one: impl Fn(usize) -> T + Sync + Send) -> Vec<T> {
+        if self.parallel() {
+            (0..self.rows()).into_par_iter().with_max_len(1).map(one).collect()
+        } else {
+            (0..self.rows()).map(one).collect()
+        }
     }
 }
 
-/// Save: copy each row into its slot, then hash the slot while it is still in cache.
+/// Save: copy each row's regions and return the XXH3-64 of the row's value, hashed at the
+/// destination right after the row's copy, while it is still in cache.
 ///
 /// # Safety
 /// Every source region readable and every destination writable for its length during the
 /// call, no destination overlapping any other region of the batch.
 pub unsafe fn save_rows(rows: &Rows<'_>) -> Vec<u64> {
-    // SAFETY: the caller's contract.
-    let one = |r: usize| unsafe {
-        rows.copy_row(r);
-        rows.digest(r)
-    };
-    if rows.parallel() {
-        (0..rows.rows()).into_par_iter().with_max_len(1).map(one).collect()
-    } else {
-        (0..rows.rows()).map(one).collect()
-    }
+    rows.each(|r| {
+        for i in rows.regions(r) {
+            // SAFETY: the caller's contract.
+            unsafe { std::ptr::copy_nonoverlapping(rows.src[i] as *const u8, rows.dst[i] as *mut u8, rows.len[i] as usize) }
+        }
+        // SAFETY: the destinations were just written and stay valid for the call.
+        unsafe { rows.digest(rows.dst, r) }
+    })
 }
 
-/// Load: hash each slot and copy its row out only when the digest is `expected[r]`.
-/// Returns which rows were copied.
+/// Load: hash each row's value at its source and copy the row only when the digest is
+/// `expected[r]`. Returns which rows were copied.
 ///
 /// # Safety
 /// As `save_rows`.
 pub unsafe fn load_rows(rows: &Rows<'_>, expected: &[u64]) -> Vec<bool> {
-    // SAFETY: the caller's contract.
-    let one = |r: usize| unsafe {
-        let ok = rows.digest(r) == expected[r];
+    rows.each(|r| {
+        // SAFETY: the caller's contract.
+        let ok = unsafe { rows.digest(rows.src, r) } == expected[r];
         if ok {
-            rows.copy_row(r);
+            for i in rows.regions(r) {
+                // SAFETY: the caller's contract.
+                unsafe {
+                    std::ptr::copy_nonoverlapping(rows.src[i] as *const u8, rows.dst[i] as *mut u8, rows.len[i] as usize)
+                }
+            }
         }
         ok
-    };
-    if rows.parallel() {
-        (0..rows.rows()).into_par_iter().with_max_len(1).map(one).collect()
-    } else {
-        (0..rows.rows()).map(one).collect()
-    }
+    })
 }
 
 #[cfg(test)]
@@ -161,21 +179,33 @@ mod tests {
         let mut out = vec![0u8; 64];
         let (k, s, o) = (kv.as_ptr() as u64, slots.as_mut_ptr() as u64, out.as_mut_ptr() as u64);
         // Two rows of two pieces: kv[0..4] + kv[8..12] -> slot 0, kv[16..20] + kv[24..28] -> slot 1.
-        let save = Rows {
-            src: &[k, k + 8, k + 16, k + 24],
-            dst: &[s, s + 4, s + 32, s + 36],
-            len: &[4; 4],
-            row_start: &[0, 2, 4],
-            value_addr: &[s, s + 32],
-            value_len: &[8, 8],
-        };
+        let save = Rows { src: &[k, k + 8, k + 16, k + 24], dst: &[s, s + 4, s + 32, s + 36], len: &[4; 4], row_start: &[0, 2, 4] };
         let digests = unsafe { save_rows(&save) };
         assert_eq!(digests[0], xxhash_rust::xxh3::xxh3_64(&[0, 1, 2, 3, 8, 9, 10, 11]));
+        assert_eq!(digests[1], xxhash_rust::xxh3::xxh3_64(&[16, 17, 18, 19, 24, 25, 26, 27]));
         slots[33] ^= 1; // slot 1 corrupted
         let load = Rows { src: save.dst, dst: &[o, o + 4, o + 32, o + 36], ..save };
         let ok = unsafe { load_rows(&load, &digests) };
         assert_eq!(ok, vec![true, false]);
         assert_eq!(&out[..8], &[0, 1, 2, 3, 8, 9, 10, 11]);
         assert!(out[32..40].iter().all(|&b| b == 0));
+    }
+
+    #[test]
+    fn a_row_digest_is_the_one_shot_xxh3_of_its_pieces_in_order() {
+        // Pieces larger than XXH3's internal buffer, of odd sizes, scattered: the streamed
+        // digest must equal the one-shot digest of the concatenation (what a store checks).
+        let data: Vec<u8> = (0..(3usize << 20)).map(|i| (i * 7 % 251) as u8).collect();
+        let mut copy = vec![0u8; 3 << 20];
+        let (d, c) = (data.as_ptr() as u64, copy.as_mut_ptr() as u64);
+        let len = [70_001u64, 1, 1 << 20, 333];
+        let src = [d + (2 << 20), d + 5, d, d + 1_500_000];
+        let dst = [c, c + 70_001, c + 70_002, c + 70_002 + (1 << 20)];
+        let rows = Rows { src: &src, dst: &dst, len: &len, row_start: &[0, 4] };
+        let digest = unsafe { save_rows(&rows) }[0];
+        let total: usize = len.iter().sum::<u64>() as usize;
+        assert_eq!(digest, xxhash_rust::xxh3::xxh3_64(&copy[..total]));
+        let whole: Vec<u8> = src.iter().zip(len).flat_map(|(&a, l)| data[(a - d) as usize..][..l as usize].to_vec()).collect();
+        assert_eq!(&copy[..total], &whole[..]);
     }
 }

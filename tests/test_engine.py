@@ -228,7 +228,7 @@ class Spy:
 
 
 def spy_rig(factory, mix="fa", **kwargs):
-    inner = EmbeddedStore(64 << 20)
+    inner = EmbeddedStore(64 << 20, slot_bytes=64 << 10)  # through the protocol: staged
     spy = Spy(inner)
     return factory(mix, store=spy, **kwargs), spy
 
@@ -507,6 +507,28 @@ def test_really_corrupted_value_is_caught_by_the_store(rig_factory):
     assert done.loads_failed == {"q": failed}
     rig.check_loaded(hashes, dst, 80, sources, skip=failed)
     assert rig.store.exists([victim]) == [False]  # dropped: the next save rewrites it
+
+
+def test_really_corrupted_value_is_caught_on_mooncake(rig_factory, mooncake_store):
+    """On Mooncake with a CPU KV cache the store checks each header and the scatter checks the
+    payload digest while it copies: a corrupted value still never reaches a block, is counted
+    corrupt and removed from the store."""
+    rig = rig_factory("fa", store=mooncake_store, register=True)
+    assert rig.engine._fused_digests
+    tokens, hashes, tables, _ = rig.source_request(80)
+    sources = rig.sources(hashes, tables, 80, [])
+    rig.run(saves=[SaveRequest("r", hashes, tables, 80)])
+    victim = rig.planner.key(0, hashes[2])
+    corrupt_before = mooncake_store.counters["get.corrupt"]
+    assert corrupt_values(mooncake_store, random.Random(1), 1, keys=[victim]) == 1
+    dst = rig.destination(80)
+    done = rig.run(loads=[LoadRequest("q", hashes, dst, 80)])
+    failed = {(0, dst[0][2])}
+    assert done.loads_failed == {"q": failed}
+    assert rig.engine.counters["get_corrupt"] == 1
+    rig.check_loaded(hashes, dst, 80, sources, skip=failed)
+    assert mooncake_store.counters["get.corrupt"] == corrupt_before + 1
+    assert mooncake_store.exists([victim]) == [False]  # removed: the next save rewrites it
 
 
 def test_missing_destination_fails_the_whole_load(rig_factory):

@@ -8,11 +8,12 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 
 from kvstride import cli
 from kvstride.mixes import PRESETS
-from kvstride.transfer import Transfer
+from kvstride.arena import HostArena
 
 # 4 conversations in batches of 2 over 4 turns: 8 request batches, so --fault-every 2
 # injects a fault before batches 2, 4 and 6: corrupt, restart, evict.
@@ -88,22 +89,18 @@ def test_plot_and_table(capsys, tmp_path):
 
 @pytest.mark.parametrize("preset", ["llama", "qwen3-next"])
 def test_wrong_loaded_byte_fails_the_run(capsys, monkeypatch, preset):
-    """Prove the check can fail: flip one byte of every block a load writes."""
-    original = Transfer.scatter
+    """Prove the check can fail: flip one byte of every block a load writes (the embedded
+    store loads straight from its arena slots into the blocks)."""
+    original = HostArena.load
 
-    def scatter_then_flip(self, batch, ok=None):
-        fence = original(self, batch, ok)
-        fence.wait()
-        for run in batch.runs:
-            piece = self.layout.groups[run.group].pieces[0]
-            storage = self.layout.storages[piece.storage]
-            for k, row in enumerate(run.rows):
-                if ok is None or ok[row]:
-                    at = piece.offset + int(run.ids[k]) * piece.stride
-                    storage[at] ^= 0xFF
-        return fence
+    def load_then_flip(self, slots, groups, block_ids, **kwargs):
+        ok = original(self, slots, groups, block_ids, **kwargs)
+        for group, block_id in zip(np.asarray(groups)[ok], np.asarray(block_ids)[ok]):
+            piece = self.layout.groups[int(group)].pieces[0]
+            self.layout.storages[piece.storage][piece.offset + int(block_id) * piece.stride] ^= 0xFF
+        return ok
 
-    monkeypatch.setattr(Transfer, "scatter", scatter_then_flip)
+    monkeypatch.setattr(HostArena, "load", load_then_flip)
     rc, result = simulate(capsys, preset)
     assert rc == 1
     assert result["verified"] is False and result["wrong_bytes"] > 0

@@ -206,3 +206,34 @@ def test_round_trip_cuda(mix):
     host = {name: (v.cpu() if isinstance(v, torch.Tensor) else [t.cpu() for t in v]) for name, v in dkv.items()}
     _check(host, snap, None)
     batch.release()
+
+
+@pytest.mark.parametrize("mix", ["flash_attn", "hybrid_mamba", "ring_and_big"])
+def test_gather_digests_and_checked_scatter(mix):
+    """The payload digest rides the gather (what a Mooncake header carries) and the checked
+    scatter writes only the entries whose staged bytes still have it."""
+    import xxhash
+
+    kv, groups = kvdata.MIXES[mix]()
+    layout = KVLayout(kv, groups)
+    kvdata.fill_random(layout.storages, seed=9)
+    blocks = _pick_blocks(layout)
+    tr = Transfer(layout, StagingPool(8 << 20))
+    with tr.stage(blocks) as batch:
+        tr.gather(batch, digests=True).wait()
+        want = [xxhash.xxh3_64_intdigest(torch.cat(batch.payload_view(i)).numpy().tobytes()) for i in range(len(blocks))]
+        assert batch.digests.tolist() == want
+        snap = _snapshot(kv, blocks, groups)
+        for s in layout.storages:
+            s.zero_()
+        batch.payload_view(0)[0][0] ^= 0xFF  # entry 0's staged bytes no longer match
+        ok = [True] * len(blocks)
+        ok[-1] = False  # a store miss: not written either
+        tr.scatter(batch, ok=ok, expected=want).wait()
+        assert batch.verified.tolist() == [False] + [True] * (len(blocks) - 2) + [False]
+        _check(kv, snap, {b for _, b in blocks[1:-1]})
+        for g, b in (blocks[0], blocks[-1]):  # left as they were (zeroed)
+            for name in groups[g]:
+                v = kv[name]
+                for t in [v] if isinstance(v, torch.Tensor) else v:
+                    assert not kvdata.block_bytes_of(t, b).any()

@@ -11,6 +11,7 @@ its own environment, see the Makefile).
 
 from __future__ import annotations
 
+import ctypes
 import os
 
 import pytest
@@ -149,8 +150,8 @@ def test_negative_control_wrong_load_is_caught(model_dirs, plain_outputs, monkey
 class _FailingLoads:
     """Make loads fail in one way once armed; the store itself stays real. Embedded: the
     arena's slots (a flipped byte that the digest catches, or an exception in the copy);
-    Mooncake: the store's answers (unavailable, a value evicted or corrupted after the
-    lookup, an exception)."""
+    Mooncake: the store's answers (unavailable, a value evicted after the lookup, payload bytes
+    that no longer match their header's digest, an exception)."""
 
     def __init__(self, monkeypatch, store: str, how: str) -> None:
         self.armed = False
@@ -158,21 +159,21 @@ class _FailingLoads:
         if store == "embedded":
             original = HostArena.load
 
-            def load(arena, slots, groups, block_ids):
+            def load(arena, slots, groups, block_ids, **kwargs):
                 if self.armed:
                     self.calls += 1
                     if how == "raise":
                         raise RuntimeError("arena exploded")
                     arena.buffer[int(slots[-1]) * arena.slot_bytes] ^= 0xFF
-                return original(arena, slots, groups, block_ids)
+                return original(arena, slots, groups, block_ids, **kwargs)
 
             monkeypatch.setattr(HostArena, "load", load)
             return
         original = MooncakeStore.get
 
-        def get(store, keys, buffers):
+        def get(store, keys, buffers, **kwargs):
             if not self.armed:
-                return original(store, keys, buffers)
+                return original(store, keys, buffers, **kwargs)
             self.calls += 1
             keys = list(keys)
             if how == "raise":
@@ -181,16 +182,17 @@ class _FailingLoads:
                 return [Status.UNAVAILABLE] * len(keys)
             if how == "evicted":
                 store.remove(keys[-1:])
-            if how == "corrupt":  # overwritten under the same key: the verified read sees it
-                statuses = original(store, keys, buffers)
-                return statuses[:-1] + [Status.CORRUPT]
-            return original(store, keys, buffers)
+            statuses = original(store, keys, buffers, **kwargs)
+            if how == "corrupt":  # payload bytes changed under an intact header: only the digest sees it
+                addr, _ = buffers[-1][0]
+                ctypes.c_uint8.from_address(addr).value ^= 0xFF
+            return statuses
 
         monkeypatch.setattr(MooncakeStore, "get", get)
 
 
 FAULTS = [("embedded", "corrupt"), ("embedded", "raise")] + [
-    ("mooncake", how) for how in ("unavailable", "evicted", "raise")
+    ("mooncake", how) for how in ("unavailable", "evicted", "corrupt", "raise")
 ]
 
 
@@ -221,6 +223,8 @@ def test_failed_load_on_multi_group_model_is_recomputed(model_dirs, plain_output
         kv_vllm.drop_shared_stores()
     assert faults.calls > 0 and sched.matched_tokens > 0
     assert counters.get("loads_failed", 0) + counters.get("load_job_errors", 0) == 1, counters
+    if how == "corrupt":
+        assert counters.get("get_corrupt", 0) >= 1, counters
     assert harness.mismatches(got, plain_outputs(name)) == []
 
 

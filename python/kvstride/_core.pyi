@@ -183,14 +183,14 @@ def xxh3_64_parts(parts: object) -> int:
 def xxh3_64_batch(values: Sequence[object]) -> list[int]:
     """``xxh3_64_parts`` of each value, GIL released, spread over threads from 1 MiB in all."""
 
-def _save_rows(src: np.ndarray, dst: np.ndarray, lengths: np.ndarray, row_start: np.ndarray,
-               value_addr: np.ndarray, value_len: np.ndarray) -> np.ndarray:
-    """Copy each row's regions (uint64 address arrays), then XXH3-64 its value region; GIL
-    released. Raw, unchecked memory access: only for ``kvstride.arena``."""
+def _save_rows(src: np.ndarray, dst: np.ndarray, lengths: np.ndarray, row_start: np.ndarray) -> np.ndarray:
+    """Copy each row's regions (uint64 address arrays; row r is regions row_start[r]..row_start[r+1])
+    and return the XXH3-64 of each row's bytes in order; GIL released. Raw, unchecked memory
+    access: only for kvstride's own copies (``kvstride.arena``, ``kvstride.transfer``)."""
 
 def _load_rows(src: np.ndarray, dst: np.ndarray, lengths: np.ndarray, row_start: np.ndarray,
-               value_addr: np.ndarray, value_len: np.ndarray, expected: np.ndarray) -> np.ndarray:
-    """Copy each row only when its value region's XXH3-64 is ``expected``; which rows were."""
+               expected: np.ndarray) -> np.ndarray:
+    """Copy each row only when the XXH3-64 of its source bytes is ``expected``; which rows were."""
 
 def _copy_regions(src: np.ndarray, dst: np.ndarray, lengths: np.ndarray) -> None:
     """Copy ``lengths[i]`` bytes from address ``src[i]`` to ``dst[i]``, GIL released, no torch

@@ -39,6 +39,9 @@ __all__ = ["SlotIndex", "HostArena", "slots_for", "ALIGN"]
 #: Slot size granularity (bytes): every slot starts on a cache line.
 ALIGN = 64
 
+#: ``HostArena.slot_group`` of a slot holding a value written through ``save_regions``.
+VALUE_GROUP = -2
+
 
 def slots_for(capacity_bytes: int, slot_bytes: int) -> int:
     """How many slots of ``slot_bytes`` fit ``capacity_bytes`` (the scheduler and every worker
@@ -66,7 +69,7 @@ class SlotIndex:
         self._free: List[int] = list(range(self.num_slots - 1, -1, -1))
         self._ready: "collections.OrderedDict[str, int]" = collections.OrderedDict()
         self._writing: Dict[str, int] = {}
-        self._pins: collections.Counter = collections.Counter()
+        self._pins: Dict[int, int] = {}  # slot -> loads in flight reading it
         self._key_of: Dict[int, str] = {}  # slot -> the key it holds or is being written for
         self._doomed: set = set()  # dropped slots still pinned: freed when the last load ends
         self.evictions = 0
@@ -78,27 +81,54 @@ class SlotIndex:
     def exists(self, keys: Sequence[str]) -> List[bool]:
         return [k in self._ready for k in keys]
 
+    def slot(self, key: str) -> Optional[int]:
+        """The slot of a ready key, or None."""
+        return self._ready.get(key)
+
+    def keys(self) -> List[str]:
+        """The ready keys, least recently used first."""
+        return list(self._ready)
+
+    def ready_slots(self) -> List[int]:
+        return list(self._ready.values())
+
+    def touch(self, keys: Sequence[str]) -> None:
+        """Mark ready keys most recently used."""
+        for key in keys:
+            if key in self._ready:
+                self._ready.move_to_end(key)
+
     def known(self, keys: Sequence[str]) -> List[bool]:
         """Readable, or being written (a save need not write it again)."""
         return [k in self._ready or k in self._writing for k in keys]
 
     def pin(self, keys: Sequence[str]) -> Optional[List[int]]:
         """The slots of ``keys`` (all ready), pinned until ``unpin``; None if one is not ready."""
-        slots = [self._ready.get(k) for k in keys]
-        if any(s is None for s in slots):
+        ready = self._ready
+        if not all(k in ready for k in keys):
             return None
-        for k, s in zip(keys, slots):
-            self._ready.move_to_end(k)
-            self._pins[s] += 1
-        return slots
+        return self.pin_ready(keys)
+
+    def pin_ready(self, keys: Sequence[str]) -> List[Optional[int]]:
+        """The slot of each key, pinned until ``unpin``; None (and nothing pinned) for a key
+        that is not ready."""
+        ready, pins, out = self._ready, self._pins, []
+        for key in keys:
+            slot = ready.get(key)
+            if slot is not None:
+                ready.move_to_end(key)
+                pins[slot] = pins.get(slot, 0) + 1
+            out.append(slot)
+        return out
 
     def unpin(self, slots: Sequence[int]) -> None:
+        pins = self._pins
         for s in slots:
-            left = self._pins[s] - 1
+            left = pins[s] - 1
             if left > 0:
-                self._pins[s] = left
+                pins[s] = left
             else:
-                del self._pins[s]
+                del pins[s]
                 if s in self._doomed:
                     self._doomed.discard(s)
                     self._free.append(s)
@@ -180,25 +210,58 @@ class HostArena:
     """``num_slots`` fixed-size slots in one preallocated host buffer (pinned when the KV cache
     is on CUDA), touched once at construction so the hot path takes no page faults.
 
-    ``save`` / ``load`` take parallel arrays (slot, group, block id), one entry per block."""
+    ``save`` / ``load`` take parallel arrays (slot, group, block id), one entry per block of
+    the attached ``layout``; ``save_regions`` / ``load_regions`` take values as raw byte parts
+    (the store protocol). Without a layout (``slot_bytes`` then sizes the slots) only the
+    region forms work until :meth:`attach` gives it one."""
 
-    def __init__(self, layout: KVLayout, num_slots: int, *, copier: Optional[str] = None) -> None:
-        self.layout = layout
-        self.slot_bytes = -(-max(g.block_bytes for g in layout.groups) // ALIGN) * ALIGN
+    def __init__(
+        self,
+        layout: Optional[KVLayout],
+        num_slots: int,
+        *,
+        copier: Optional[str] = None,
+        slot_bytes: Optional[int] = None,
+    ) -> None:
+        if layout is None and slot_bytes is None:
+            raise ValueError("HostArena needs a layout or slot_bytes")
+        size = slot_bytes if slot_bytes is not None else max(g.block_bytes for g in layout.groups)
+        self.slot_bytes = -(-int(size) // ALIGN) * ALIGN
+        if self.slot_bytes <= 0:
+            raise ValueError(f"slot_bytes must be positive, got {slot_bytes}")
         self.num_slots = int(num_slots)
-        device = layout.device or torch.device("cpu")
-        self.copier = copier or ("regions" if device.type == "cpu" else "torch")
-        if self.copier not in ("regions", "torch"):
-            raise ValueError(f"copier must be 'regions' or 'torch', got {copier!r}")
+        device = (layout.device if layout is not None else None) or torch.device("cpu")
         pin = device.type == "cuda"
         self.buffer = torch.empty(self.num_slots * self.slot_bytes, dtype=torch.uint8, pin_memory=pin)
         self.buffer.zero_()
         self.ptr = self.buffer.data_ptr()
         self.digests = np.zeros(self.num_slots, dtype=np.uint64)
+        self.lengths = np.zeros(self.num_slots, dtype=np.uint64)  # bytes of the value in each slot
         self.slot_group = np.full(self.num_slots, -1, dtype=np.int64)  # -1: never written
+        self.layout: Optional[KVLayout] = None
+        self.copier = "regions"
+        self._groups: List[_GroupCopy] = []
+        self.block_bytes = np.zeros(0, dtype=np.uint64)
+        self._views: Dict[tuple, tuple] = {}
+        if layout is not None:
+            self.attach(layout, copier=copier)
+
+    def attach(self, layout: KVLayout, *, copier: Optional[str] = None) -> None:
+        """Copy blocks of ``layout`` from now on (its blocks must fit a slot)."""
+        largest = max(g.block_bytes for g in layout.groups)
+        if largest > self.slot_bytes:
+            raise ValueError(
+                f"slot_bytes={self.slot_bytes} is smaller than a block of this KV cache ({largest} bytes); "
+                f"give at least {largest}"
+            )
+        device = layout.device or torch.device("cpu")
+        copier = copier or ("regions" if device.type == "cpu" else "torch")
+        if copier not in ("regions", "torch"):
+            raise ValueError(f"copier must be 'regions' or 'torch', got {copier!r}")
+        self.layout, self.copier = layout, copier
         self._groups = [self._group_copy(g) for g in layout.groups]
         self.block_bytes = np.array([g.block_bytes for g in layout.groups], dtype=np.uint64)  # per group
-        self._views: Dict[tuple, tuple] = {}
+        self._views = {}
 
     @property
     def nbytes(self) -> int:
@@ -213,6 +276,8 @@ class HostArena:
         return _GroupCopy(base, stride, size, offsets, group.block_bytes)
 
     def _check(self, slots: np.ndarray, groups: np.ndarray, block_ids: np.ndarray) -> None:
+        if self.layout is None:
+            raise ValueError("this arena has no KV layout attached: use the region forms or attach() one")
         if not (len(slots) == len(groups) == len(block_ids)):
             raise ValueError("slots, groups and block ids must have the same length")
         if len(slots) and (slots.min() < 0 or slots.max() >= self.num_slots):
@@ -226,8 +291,8 @@ class HostArena:
 
     def _rows(self, slots, groups, block_ids):
         """The entries as rows for the Rust copy: (KV addresses, slot addresses, lengths) of
-        every piece, where each row's pieces start (``row_start``), each row's value region in
-        its slot, and ``order``: the entry index of each row (rows go group by group)."""
+        every piece, where each row's pieces start (``row_start``), and ``order``: the entry
+        index of each row (rows go group by group). A row's pieces fill its slot in order."""
         kv, arena, length, counts, order = [], [], [], [], []
         for g in np.unique(groups):
             (index,) = np.nonzero(groups == g)
@@ -241,11 +306,9 @@ class HostArena:
             order.append(index)
         order = np.concatenate(order) if order else np.zeros(0, dtype=np.int64)
         row_start = np.concatenate([[0], np.cumsum(np.concatenate(counts))]) if counts else np.zeros(1)
-        value_addr = self.ptr + slots[order].astype(np.uint64) * np.uint64(self.slot_bytes)
-        value_len = self.block_bytes[groups[order]]
         flat = (np.concatenate(x) if x else np.zeros(0, dtype=np.uint64) for x in (kv, arena, length))
         kv, arena, length = (np.ascontiguousarray(x, dtype=np.uint64) for x in flat)
-        return kv, arena, length, row_start.astype(np.uint64), value_addr, value_len, order
+        return kv, arena, length, row_start.astype(np.uint64), order
 
     def _digest(self, slots: np.ndarray, groups: np.ndarray) -> np.ndarray:
         addrs = np.ascontiguousarray(self.ptr + slots.astype(np.uint64) * np.uint64(self.slot_bytes))
@@ -282,23 +345,30 @@ class HostArena:
 
     # ---- saves and loads ----------------------------------------------------------------
 
-    def save(self, slots, groups, block_ids) -> None:
-        """Copy each block into its slot and keep the value's digest."""
+    def save(self, slots, groups, block_ids, *, digest: bool = True) -> None:
+        """Copy each block into its slot and keep the value's digest (``digest=False``: copy
+        only; such slots load only with ``verify=False``)."""
         slots, groups, block_ids = (np.asarray(a, dtype=np.int64) for a in (slots, groups, block_ids))
         self._check(slots, groups, block_ids)
         if self.copier == "regions":
-            kv, slot, length, row_start, value_addr, value_len, order = self._rows(slots, groups, block_ids)
-            digests = np.empty(len(slots), dtype=np.uint64)
-            digests[order] = _core._save_rows(kv, slot, length, row_start, value_addr, value_len)
+            kv, slot, length, row_start, order = self._rows(slots, groups, block_ids)
+            if digest:
+                digests = np.empty(len(slots), dtype=np.uint64)
+                digests[order] = _core._save_rows(kv, slot, length, row_start)
+            else:
+                _core._copy_regions(kv, slot, length)
         else:
             self._torch_copy(slots, groups, block_ids, to_arena=True)
-            digests = self._digest(slots, groups)
-        self.digests[slots] = digests
+            if digest:
+                digests = self._digest(slots, groups)
+        self.digests[slots] = digests if digest else 0
+        self.lengths[slots] = self.block_bytes[groups]
         self.slot_group[slots] = groups
 
-    def load(self, slots, groups, block_ids) -> np.ndarray:
+    def load(self, slots, groups, block_ids, *, verify: bool = True) -> np.ndarray:
         """Copy each slot into its destination block when the slot holds a value of that group
-        whose digest still matches; returns which entries were loaded."""
+        whose digest still matches (``verify=False``: without the digest check); returns which
+        entries were loaded."""
         slots, groups, block_ids = (np.asarray(a, dtype=np.int64) for a in (slots, groups, block_ids))
         self._check(slots, groups, block_ids)
         # Only a slot holding a value of the block's group can be loaded into it.
@@ -308,13 +378,78 @@ class HostArena:
             return ok
         s, g, b = slots[candidates], groups[candidates], block_ids[candidates]
         if self.copier == "regions":
-            kv, slot, length, row_start, value_addr, value_len, order = self._rows(s, g, b)
-            ok[candidates[order]] = _core._load_rows(
-                slot, kv, length, row_start, value_addr, value_len, self.digests[s[order]]
-            )
+            kv, slot, length, row_start, order = self._rows(s, g, b)
+            if verify:
+                ok[candidates[order]] = _core._load_rows(slot, kv, length, row_start, self.digests[s[order]])
+            else:
+                _core._copy_regions(slot, kv, length)
+                ok[candidates] = True
             return ok
-        good = self._digest(s, g) == self.digests[s]
+        good = self._digest(s, g) == self.digests[s] if verify else np.ones(len(s), dtype=bool)
         if good.any():
             self._torch_copy(s[good], g[good], b[good], to_arena=False)
         ok[candidates] = good
+        return ok
+
+    # ---- values as raw byte parts (the store protocol) ----------------------------------
+
+    def _region_rows(self, slots: np.ndarray, values):
+        """Rows for values given as ``[(address, nbytes), ...]`` parts: each value's parts
+        back to back from the start of its slot."""
+        addr, length, offset, row_start, totals = [], [], [], [0], []
+        for parts in values:
+            pos = 0
+            for a, n in parts:
+                addr.append(a)
+                length.append(n)
+                offset.append(pos)
+                pos += n
+            row_start.append(len(addr))
+            totals.append(pos)
+        addr, length, offset, row_start, totals = (
+            np.array(x, dtype=np.uint64) for x in (addr, length, offset, row_start, totals)
+        )
+        bases = self.ptr + slots.astype(np.uint64) * np.uint64(self.slot_bytes)
+        slot_addr = np.repeat(bases, np.diff(row_start).astype(np.int64)) + offset
+        return addr, slot_addr, length, row_start, totals
+
+    def save_regions(self, slots, values, *, digest: bool = True) -> None:
+        """Copy each value (its parts in order) into its slot; each must fit a slot."""
+        slots = np.asarray(slots, dtype=np.int64)
+        if len(slots) != len(values):
+            raise ValueError("slots and values must have the same length")
+        addr, slot_addr, length, row_start, totals = self._region_rows(slots, values)
+        if len(totals) and int(totals.max()) > self.slot_bytes:
+            raise ValueError(f"a value of {int(totals.max())} bytes does not fit a {self.slot_bytes}-byte slot")
+        if digest:
+            self.digests[slots] = _core._save_rows(addr, slot_addr, length, row_start)
+        else:
+            _core._copy_regions(addr, slot_addr, length)
+            self.digests[slots] = 0
+        self.lengths[slots] = totals
+        self.slot_group[slots] = VALUE_GROUP
+
+    def load_regions(self, slots, values, *, verify: bool = True) -> np.ndarray:
+        """Copy each slot into the parts of its value when the slot holds a protocol value of
+        exactly that length whose digest still matches; returns which were copied."""
+        slots = np.asarray(slots, dtype=np.int64)
+        if len(slots) != len(values):
+            raise ValueError("slots and values must have the same length")
+        addr, slot_addr, length, row_start, totals = self._region_rows(slots, values)
+        fits = (self.slot_group[slots] == VALUE_GROUP) & (self.lengths[slots] == totals)
+        ok = np.zeros(len(slots), dtype=bool)
+        (rows,) = np.nonzero(fits)
+        if not len(rows):
+            return ok
+        if len(rows) < len(slots):  # only the rows that fit take part
+            keep = [np.arange(row_start[r], row_start[r + 1], dtype=np.int64) for r in rows]
+            pieces = np.concatenate(keep) if keep else np.zeros(0, dtype=np.int64)
+            counts = np.diff(row_start)[rows]
+            row_start = np.concatenate([[0], np.cumsum(counts)]).astype(np.uint64)
+            addr, slot_addr, length = addr[pieces], slot_addr[pieces], length[pieces]
+        if verify:
+            ok[rows] = _core._load_rows(slot_addr, addr, length, row_start, self.digests[slots[rows]])
+        else:
+            _core._copy_regions(slot_addr, addr, length)
+            ok[rows] = True
         return ok

@@ -7,8 +7,9 @@ calls, per engine step:
 - ``lookup(requests)`` on the scheduler side: one existence call for the whole batch of new
   requests, then each request's longest joint hit from the core;
 - ``submit(saves, loads)``: one step's work. Saves are planned with the core (which keys,
-  which blocks) and copied out of the KV cache before it returns, their puts run on the save
-  lane; loads run on the load lane, never behind a save;
+  which blocks) and copied out of the KV cache before it returns: straight into the embedded
+  arena's slots (the whole save), or into staging whose puts then run on the save lane; loads
+  run on the load lane, never behind a save;
 - ``pending(req_id)``: jobs of a request not finished yet (its blocks are still in use), and
 - ``get_finished()``: which loads and saves completed, and the block ids whose load failed
   (the driver recomputes them).
@@ -27,9 +28,10 @@ import queue
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple, Union
 
 from kvstride._core import KeyPlanner
+from kvstride.layout import KVLayout
 from kvstride.stores import KVStore, Status
 from kvstride.transfer import StagingPool, Transfer
 
@@ -110,21 +112,47 @@ TIMINGS_KEPT = 10_000
 
 
 class OffloadEngine:
-    """Drives one rank's offloading through ``planner`` (the core), ``transfer`` (torch copies
-    between the KV tensors and a staging pool) and ``store``."""
+    """Drives one rank's offloading through ``planner`` (the core) and ``store``.
+
+    ``transfer``: how blocks reach the store. A store that copies blocks itself (the embedded
+    arena, ``EmbeddedStore``) takes the ``KVLayout`` alone and is bound to it: one copy per
+    block each way, no staging. Any other store (Mooncake) takes a :class:`Transfer` (copies
+    between the KV tensors and a staging pool its buffers are registered from). None: planning
+    and lookups only (a scheduler with no KV tensors)."""
 
     def __init__(
         self,
         planner: KeyPlanner,
-        transfer: Transfer,
+        transfer: Union[Transfer, KVLayout, None],
         store: KVStore,
         *,
         name: str = "kvstride-engine",
     ) -> None:
         self.planner = planner
-        self.transfer = transfer
-        self.pool: StagingPool = transfer.pool
         self.store = store
+        if isinstance(transfer, KVLayout):
+            self.layout: Optional[KVLayout] = transfer
+            self.transfer: Optional[Transfer] = None
+        else:
+            self.layout = None if transfer is None else transfer.layout
+            self.transfer = transfer
+        self.pool: Optional[StagingPool] = None if self.transfer is None else self.transfer.pool
+        # The payload digests ride the staging copies (hashed while the bytes are in cache)
+        # when the store takes them from its caller (Mooncake) and the KV cache is on CPU.
+        self._fused_digests = (
+            getattr(store, "takes_digests", False) and store.verify and self.transfer is not None and not self.transfer.cuda
+        )
+        self._num_blocks = None if self.layout is None else [g.num_blocks for g in self.layout.groups]
+        self._block_bytes = None if self.layout is None else [g.block_bytes for g in self.layout.groups]
+        # Blocks go straight between the KV tensors and a store that can copy them itself.
+        self.direct = self.layout is not None and hasattr(store, "bind_layout")
+        if self.direct:
+            store.bind_layout(self.layout)
+        elif self.layout is not None and self.transfer is None:
+            raise ValueError(
+                f"{type(store).__name__} needs staging buffers: pass Transfer(layout, StagingPool(nbytes)) "
+                "instead of the layout"
+            )
         self.counters: collections.Counter = collections.Counter()
         # Per operation: the latest durations (bounded: the engine runs for the server's
         # lifetime) for percentiles, and the total seconds for rates.
@@ -290,6 +318,10 @@ class OffloadEngine:
                 self._pending[rid] += 1
         job = _SaveJob(step, saves, states, [0] * len(saves), [], {}, set())
         try:
+            if self.direct:  # the copy into the store is the whole save
+                self._save_direct(job)
+                self._finish_saves(job)
+                return step
             self._stage_saves(job)
         except Exception as err:  # never into the driver: fail these saves, keep going
             self._log_once("save-bug", "save job of step %d failed: %r", step, err)
@@ -328,10 +360,13 @@ class OffloadEngine:
     def wait_idle(self, timeout: Optional[float] = None) -> bool:
         """Block until every submitted job ran; False on timeout."""
         deadline = None if timeout is None else time.monotonic() + timeout
-        while self._load_queue.unfinished_tasks or self._save_queue.unfinished_tasks:
-            if deadline is not None and time.monotonic() > deadline:
-                return False
-            time.sleep(0.0005)
+        for lane in (self._load_queue, self._save_queue):
+            with lane.all_tasks_done:  # notified by the lane's task_done
+                while lane.unfinished_tasks:
+                    left = None if deadline is None else deadline - time.monotonic()
+                    if left is not None and left <= 0:
+                        return False
+                    lane.all_tasks_done.wait(left)
         return True
 
     def shutdown(self, timeout: Optional[float] = 60.0) -> bool:
@@ -404,10 +439,9 @@ class OffloadEngine:
             return set()
 
     def _in_layout(self, group: int, block_id: int) -> bool:
-        if self.transfer.layout is None:  # planning without KV tensors: the worker checks
+        if self._num_blocks is None:  # planning without KV tensors: the worker checks
             return block_id > 0
-        groups = self.transfer.layout.groups
-        return 0 <= group < len(groups) and 0 < block_id < groups[group].num_blocks
+        return 0 <= group < len(self._num_blocks) and 0 < block_id < self._num_blocks[group]
 
     def _stage_or_wait(self, blocks, wait: bool):
         """Staging room for ``blocks``; while the save lane still holds room, wait for it to
@@ -464,17 +498,20 @@ class OffloadEngine:
                         save.req_id,
                     )
                 puts.extend(tail.puts)
-            for key, group, block_id in puts:
+            req_id = save.req_id
+            for entry in puts:
+                key, group, block_id = entry
                 if not self._in_layout(group, block_id):  # a table naming blocks we do not have
                     self.count("save_bad_block")
-                    self._log_once("save-bad-block", "request %s: block %d of group %d is not in the KV cache", save.req_id, block_id, group)
-                    failed.add(save.req_id)
+                    self._log_once("save-bad-block", "request %s: block %d of group %d is not in the KV cache", req_id, block_id, group)
+                    failed.add(req_id)
                     continue
-                if key not in owners:
-                    owners[key] = []
-                    entries.append((key, group, block_id))
-                if save.req_id not in owners[key]:
-                    owners[key].append(save.req_id)
+                waiting = owners.get(key)
+                if waiting is None:
+                    owners[key] = [req_id]
+                    entries.append(entry)
+                elif req_id not in waiting:
+                    waiting.append(req_id)
         with self._lock:
             for save, state, end in zip(saves, states, ends):
                 if save.req_id not in failed:
@@ -497,25 +534,59 @@ class OffloadEngine:
         start_time = time.perf_counter()
         entries, job.owners, job.ends, job.failed = self.plan_saves(job.saves, job.states, self.store.exists)
         for batch_entries, batch in self._batches(entries, wait=True):
-            job.batches.append((batch_entries, batch, self.transfer.gather(batch)))
+            job.batches.append((batch_entries, batch, self.transfer.gather(batch, digests=self._fused_digests)))
         self._time("save_stage", time.perf_counter() - start_time)
+
+    def _count_outcomes(self, op: str, entries, statuses, bytes_counter: str) -> None:
+        """Count ``op``'s statuses (and the bytes of the OK ones) in one go; log each failure
+        kind once."""
+        block_bytes = self._block_bytes
+        outcomes = collections.Counter(statuses)
+        if outcomes[Status.OK] == len(statuses):
+            moved = sum(block_bytes[group] for _, group, _ in entries)
+        else:
+            moved = 0
+            for (key, group, _), status in zip(entries, statuses):
+                if status is Status.OK:
+                    moved += block_bytes[group]
+                else:  # the first key of each kind of failure
+                    self._log_once(f"{op}-{status.value}", "store %s failed (%s); first key %s", op, status.value, key)
+        with self._lock:
+            for status, n in outcomes.items():
+                self.counters[f"{op}_{status.value}"] += n
+            if moved:
+                self.counters[bytes_counter] += moved
+
+    def _count_puts(self, job: _SaveJob, entries, statuses) -> None:
+        self._count_outcomes("put", entries, statuses, "bytes_stored")
+        if not all(status is Status.OK for status in statuses):
+            for (key, _, _), status in zip(entries, statuses):
+                if status is not Status.OK:
+                    job.failed.update(job.owners[key])
+
+    def _save_direct(self, job: _SaveJob) -> None:
+        """Plan ``job``'s saves and copy their blocks straight into the store."""
+        entries, job.owners, job.ends, job.failed = self.plan_saves(job.saves, job.states, self.store.exists)
+        if entries:
+            keys, groups, block_ids = zip(*entries)
+            put_start = time.perf_counter()
+            statuses = self._statuses(self.store.save_blocks(keys, groups, block_ids), len(keys))
+            self._time("put", time.perf_counter() - put_start)
+            self._count_puts(job, entries, statuses)
 
     def _put(self, job: _SaveJob) -> None:
         for batch_entries, batch, fence in job.batches:
             fence.wait()
             keys = [key for key, _, _ in batch_entries]
             put_start = time.perf_counter()
-            statuses = self._statuses(self.store.put(keys, batch.all_parts()), len(keys))
+            if self._fused_digests:
+                statuses = self.store.put(keys, batch.all_parts(), digests=batch.digests)
+            else:
+                statuses = self.store.put(keys, batch.all_parts())
+            statuses = self._statuses(statuses, len(keys))
             self._time("put", time.perf_counter() - put_start)
             self._release_batch(batch)
-            for (key, group, _), status in zip(batch_entries, statuses):
-                if status is Status.OK:
-                    self.count("put_ok")
-                    self.count("bytes_stored", self.transfer.layout.block_bytes(group))
-                else:
-                    self.count(f"put_{status.value}")
-                    self._log_once(f"put-{status.value}", "store put failed (%s); first key %s", status.value, key)
-                    job.failed.update(job.owners[key])
+            self._count_puts(job, batch_entries, statuses)
 
     def _release_batch(self, batch) -> None:
         batch.release()
@@ -538,6 +609,38 @@ class OffloadEngine:
                     state.offset = max(state.offset, end)
                     self.counters["saves_ok"] += 1
             self._done(save.req_id for save in job.saves)
+
+    def _fetch(self, entries: List[Tuple[str, int, int]]):
+        """Read ``entries`` into their destination blocks (only those whose status is OK are
+        written), as runs of (entries, statuses)."""
+        if self.direct:
+            if entries:
+                keys, groups, block_ids = zip(*entries)
+                get_start = time.perf_counter()
+                statuses = self._statuses(self.store.load_blocks(keys, groups, block_ids), len(keys))
+                self._time("get", time.perf_counter() - get_start)
+                yield entries, statuses
+            return
+        for batch_entries, batch in self._batches(entries):
+            try:
+                keys = [key for key, _, _ in batch_entries]
+                get_start = time.perf_counter()
+                if self._fused_digests:  # the store checks headers; the scatter checks bytes
+                    expected = [0] * len(keys)
+                    statuses = self._statuses(self.store.get(keys, batch.all_parts(), digests_out=expected), len(keys))
+                    ok = [status is Status.OK for status in statuses]
+                    self.transfer.scatter(batch, ok=ok, expected=expected).wait()
+                    bad = [i for i, (good, written) in enumerate(zip(ok, batch.verified)) if good and not written]
+                    for i in bad:
+                        statuses[i] = Status.CORRUPT
+                    self.store.corrupt([keys[i] for i in bad])
+                else:
+                    statuses = self._statuses(self.store.get(keys, batch.all_parts()), len(keys))
+                    self.transfer.scatter(batch, ok=[status is Status.OK for status in statuses]).wait()
+                self._time("get", time.perf_counter() - get_start)
+            finally:
+                batch.release()
+            yield batch_entries, statuses
 
     def _load(self, loads: List[LoadRequest]) -> None:
         start_time = time.perf_counter()
@@ -562,25 +665,11 @@ class OffloadEngine:
                 entries.append(entry)
                 owner.append(load.req_id)
         position = 0
-        for batch_entries, batch in self._batches(entries):
-            try:
-                keys = [key for key, _, _ in batch_entries]
-                get_start = time.perf_counter()
-                statuses = self._statuses(self.store.get(keys, batch.all_parts()), len(keys))
-                self._time("get", time.perf_counter() - get_start)
-                ok = [status is Status.OK for status in statuses]
-                self.transfer.scatter(batch, ok=ok).wait()
-            finally:
-                batch.release()
+        for batch_entries, statuses in self._fetch(entries):
+            self._count_outcomes("get", batch_entries, statuses, "bytes_loaded")
             for i, ((key, group, block_id), status) in enumerate(zip(batch_entries, statuses)):
-                req_id = owner[position + i]
-                if status is Status.OK:
-                    self.count("get_ok")
-                    self.count("bytes_loaded", self.transfer.layout.block_bytes(group))
-                else:
-                    self.count(f"get_{status.value}")
-                    self._log_once(f"get-{status.value}", "store get failed (%s); first key %s", status.value, key)
-                    failed.setdefault(req_id, set()).add((group, block_id))
+                if status is not Status.OK:
+                    failed.setdefault(owner[position + i], set()).add((group, block_id))
             position += len(batch_entries)
         aligned = self.planner.scheduler_block_size
         with self._lock:

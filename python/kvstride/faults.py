@@ -9,8 +9,8 @@ is refused.
 
 Both stores are handled:
 
-- ``EmbeddedStore``: payload bytes are flipped in place; restart drops every value; evict
-  removes a random share of the stored keys.
+- ``EmbeddedStore``: bytes of the value are flipped in its arena slot; restart drops every
+  value; evict removes a random share of the stored keys.
 - ``MooncakeStore``: the store cannot list its keys, so corrupt and evict act on the
   ``keys`` the caller names (those absent are ignored). A value is corrupted by reading it
   with the raw client, removing it and putting back a copy with flipped payload bytes.
@@ -44,10 +44,11 @@ def _present(store: KVStore, keys: Optional[Iterable[str]]) -> List[str]:
     return [k for k, p in zip(keys, store.exists(keys)) if p]
 
 
-def _flip(value: np.ndarray, rng: random.Random) -> None:
-    payload = value.nbytes - HEADER_BYTES
+def _flip(value: np.ndarray, rng: random.Random, start: int = HEADER_BYTES) -> None:
+    """Flip bytes of ``value`` after its first ``start`` (a Mooncake value's header)."""
+    payload = value.nbytes - start
     for _ in range(_FLIPS):
-        value[HEADER_BYTES + rng.randrange(payload)] ^= 0xFF
+        value[start + rng.randrange(payload)] ^= 0xFF
 
 
 def corrupt_values(store: KVStore, rng: random.Random, count: int, keys: Optional[Iterable[str]] = None) -> int:
@@ -59,12 +60,11 @@ def corrupt_values(store: KVStore, rng: random.Random, count: int, keys: Optiona
     victims = rng.sample(candidates, min(count, len(candidates)))
     done = 0
     if isinstance(store, EmbeddedStore):
-        with store._lock:
-            for key in victims:
-                value = store._data.get(key)
-                if value is not None and value.nbytes > HEADER_BYTES:
-                    _flip(value, rng)
-                    done += 1
+        for key in victims:
+            value = store.value_view(key)
+            if value is not None and value.nbytes:
+                _flip(value, rng, start=0)
+                done += 1
         return done
     if isinstance(store, MooncakeStore):
         with store.raw() as client:

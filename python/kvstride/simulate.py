@@ -182,12 +182,13 @@ class Simulation:
         )
         self.master = None
         self.store = self._open_store()
-        pool_bytes = max(64 << 20, 4 * max(self.cache.layout.block_bytes(g) for g in range(len(groups))))
-        self.pool = StagingPool(pool_bytes)
-        if isinstance(self.store, MooncakeStore):
-            self.pool.register(self.store.register_buffer)
-        self.transfer = Transfer(self.cache.layout, self.pool)
-        self.engine = OffloadEngine(self.planner, self.transfer, self.store)
+        if isinstance(self.store, MooncakeStore):  # staging its buffers are registered from
+            pool = StagingPool(max(64 << 20, 4 * max(self.cache.layout.block_bytes(g) for g in range(len(groups)))))
+            pool.register(self.store.register_buffer)
+            transfer = Transfer(self.cache.layout, pool)
+        else:  # the embedded arena copies blocks itself
+            transfer = self.cache.layout
+        self.engine = OffloadEngine(self.planner, transfer, self.store)
         self.align_mamba = {
             g
             for g, spec in enumerate(groups)

@@ -1,4 +1,4 @@
-"""Block stores: one protocol, an embedded host-memory store and the real Mooncake store.
+"""Block stores: one protocol, an embedded host-memory arena and the real Mooncake store.
 
 Protocol (both stores)::
 
@@ -10,14 +10,18 @@ Protocol (both stores)::
 
 ``buffers[i]`` is key i's payload as a list of parts: ``(address, nbytes)`` pairs (what
 ``StagedBatch.parts`` gives), contiguous CPU torch tensors, numpy arrays or writable buffers.
-The value stored is a 64-byte header followed by the parts' bytes in order.
 
-Verified reads (``verify=True``, the default): the header carries a format version, the
-layout fingerprint, a digest of the key, the payload length and the XXH3-64 of the payload.
-A value whose header or hash does not match is reported ``Status.CORRUPT`` and removed from
-the store.  For ``get`` the bytes of a non-OK key in its destination buffers are undefined:
-destinations must be staging buffers, and only OK keys may be scattered into KV blocks
-(``Transfer.scatter(batch, ok=[s is Status.OK for s in statuses])``).
+The embedded store keeps each value in a fixed-size slot of one preallocated arena, with its
+XXH3-64 next to it; bound to a KV layout it also copies blocks straight between the KV tensors
+and its slots (``save_blocks`` / ``load_blocks``), which is what ``OffloadEngine`` uses. A
+Mooncake value is a 64-byte header followed by the parts' bytes in order: a format version,
+the layout fingerprint, a digest of the key, the payload length and the payload's XXH3-64.
+
+Verified reads (``verify=True``, the default): a value whose digest (or header) does not match
+is reported ``Status.CORRUPT`` and removed from the store. For ``get`` the bytes of a non-OK
+key in its destination buffers are undefined: destinations must be staging buffers, and only
+OK keys may be scattered into KV blocks (``Transfer.scatter(batch, ok=[s is Status.OK for s
+in statuses])``).
 
 At run time nothing raises: every failure is a status, counted in ``store.counters`` and
 logged once per (operation, status).  Construction errors (bad configuration, an unreachable
@@ -111,9 +115,16 @@ def _region(part, writable: bool):
     return arr.ctypes.data, arr.nbytes, arr
 
 
+def _is_region(part) -> bool:
+    return type(part) is tuple and len(part) == 2 and type(part[0]) is int and type(part[1]) is int
+
+
 def _regions(buffers, writable: bool):
     out, keep = [], []
     for parts in buffers:
+        if type(parts) is list and all(map(_is_region, parts)):  # (address, nbytes) pairs already
+            out.append(parts)
+            continue
         if isinstance(parts, tuple) and len(parts) == 2 and isinstance(parts[0], int):
             parts = [parts]
         elif not isinstance(parts, (list, tuple)):
@@ -187,6 +198,10 @@ def _copy_parts(src, dst) -> None:
 class KVStore:
     """Shared bookkeeping: statuses, counters, log-once, dedup, header check."""
 
+    #: ``put(..., digests=)`` / ``get(..., digests_out=)`` / ``corrupt(keys)``: the caller
+    #: hashes the payload while it copies it (``OffloadEngine`` on a CPU KV cache).
+    takes_digests = False
+
     def __init__(self, fingerprint: bytes = b"\0" * 8, verify: bool = True) -> None:
         if isinstance(fingerprint, str):
             fingerprint = bytes.fromhex(fingerprint) if len(fingerprint) == 16 else fingerprint.encode()
@@ -225,6 +240,10 @@ class KVStore:
             self._logged.add((op, status))
             log.warning("kvstride %s %s: %s %s (logged once)", type(self).__name__, op, status.value, detail)
 
+    def _note_all(self, op: str, statuses) -> None:
+        for status, count in collections.Counter(statuses).items():
+            self._note(op, status, count)
+
     def _make_header(self, key: str, parts, digest: Optional[int] = None) -> bytes:
         """``digest``: the payload hash when the caller computed it already (``_hash_many``)."""
         length = sum(n for _, n in parts)
@@ -236,10 +255,11 @@ class KVStore:
             )
         return _HDR.pack(_MAGIC, FORMAT_VERSION, 0, self.fingerprint, _key_digest(key), length, 0).ljust(HEADER_BYTES, b"\0")
 
-    def _check(self, key: str, header, parts, payload_parts=None, payload_hash=None) -> str:
+    def _check(self, key: str, header, parts, payload_parts=None, payload_hash=None, defer_payload=False) -> str:
         """'' if the header (and, when verifying, the payload hash) matches, else why not.
         ``payload_hash``: the hash of the payload bytes when the caller computed it already
-        (over exactly the bytes that would be hashed here)."""
+        (over exactly the bytes that would be hashed here). ``defer_payload``: the caller
+        checks the payload against the header's digest itself (``MooncakeStore.get``)."""
         try:
             magic, ver, flags, fp, kd, length, digest = _HDR.unpack_from(header, 0)
         except struct.error:
@@ -255,6 +275,8 @@ class KVStore:
         if self.verify:
             if not flags & _FLAG_HASHED:
                 return "value written without a hash"
+            if defer_payload:
+                return ""
             if payload_hash is None:
                 payload_hash = _hash_parts(payload_parts or parts)
             if payload_hash != digest:
@@ -262,8 +284,9 @@ class KVStore:
         return ""
 
     def _prepare(self, op: str, keys: list, buffers, writable: bool):
-        """The buffers as regions (and what keeps them alive), a per-key INVALID or None, and
-        the dedup of the keys; None, counted, when the whole call is refused."""
+        """The buffers as regions (and what keeps them alive), a per-key INVALID or None, the
+        dedup of the keys and each key's payload bytes; None, counted, when the whole call is
+        refused."""
         try:
             regs, keep = _regions(buffers, writable=writable)
         except (ValueError, TypeError) as e:
@@ -273,7 +296,8 @@ class KVStore:
             self._note(op, Status.INVALID, len(keys), "keys and buffers differ in length")
             return None
         first, uniq = self._dedup(keys)
-        return regs, keep, self._validate(keys, regs, op), first, uniq
+        totals = [sum(n for _, n in r) for r in regs]
+        return regs, keep, self._validate(keys, regs, totals), first, uniq, totals
 
     @staticmethod
     def _dedup(keys):
@@ -285,11 +309,12 @@ class KVStore:
                 uniq.append(i)
         return first, uniq
 
-    def _validate(self, keys, regs, op: str):
+    @staticmethod
+    def _validate(keys, regs, totals):
         """Per key: Status.INVALID or None."""
         out = []
-        for k, r in zip(keys, regs):
-            if not isinstance(k, str) or not k or not r or sum(n for _, n in r) <= 0:
+        for k, r, total in zip(keys, regs, totals):
+            if not isinstance(k, str) or not k or not r or total <= 0:
                 out.append(Status.INVALID)
             else:
                 out.append(None)
@@ -300,139 +325,338 @@ class KVStore:
 
 
 class EmbeddedStore(KVStore):
-    """In-process host memory with a byte budget and LRU eviction.  Nothing to start."""
+    """In-process host memory: one preallocated arena of fixed-size slots (``kvstride.arena``)
+    with an LRU index; nothing to start. Values cost one copy each way and no allocation.
 
-    def __init__(self, capacity_bytes: int = 1 << 30, *, fingerprint: bytes = b"\0" * 8, verify: bool = True) -> None:
+    The slot size is the largest block of the KV cache once an :class:`OffloadEngine` binds
+    the store to its layout (the engine then copies blocks straight between the KV tensors and
+    the slots, no staging). Used through the buffer protocol alone, give ``slot_bytes``: a
+    value larger than a slot is ``FULL``. The arena (``capacity_bytes // slot`` slots) is
+    allocated and touched as soon as the slot size is known; it is pinned when a CUDA KV cache
+    sized it (leave ``slot_bytes`` unset then).
+
+    Verified reads keep each value's XXH3-64 next to its slot (computed while the copy is in
+    cache) and check it before a byte leaves the slot; a mismatch is ``CORRUPT`` and the value
+    is dropped. A slot a load is reading is never evicted or reused until that load ends."""
+
+    def __init__(
+        self,
+        capacity_bytes: int = 1 << 30,
+        *,
+        fingerprint: bytes = b"\0" * 8,
+        verify: bool = True,
+        slot_bytes: Optional[int] = None,
+    ) -> None:
         super().__init__(fingerprint, verify)
         if capacity_bytes <= 0:
             raise ValueError(f"EmbeddedStore capacity_bytes must be positive, got {capacity_bytes}")
+        if slot_bytes is not None and not 0 < slot_bytes <= capacity_bytes:
+            raise ValueError(
+                f"EmbeddedStore slot_bytes={slot_bytes} must be positive and at most capacity_bytes={capacity_bytes}"
+            )
         self.capacity = int(capacity_bytes)
-        self.used = 0
-        self._data: "collections.OrderedDict[str, np.ndarray]" = collections.OrderedDict()
+        self._slot_bytes = slot_bytes
+        self.arena = None  # kvstride.arena.HostArena, once the slot size is known
+        self._index = None  # kvstride.arena.SlotIndex
         self._lock = threading.Lock()
         self._closed = False
+        if slot_bytes is not None:
+            self._allocate()
+
+    # -- the arena --
+
+    def bind_layout(self, layout) -> None:
+        """Copy blocks of ``layout`` straight between its KV tensors and the slots (what
+        ``OffloadEngine`` calls). Sizes the slots to its largest block unless ``slot_bytes``
+        did; ``ValueError`` when a block cannot fit a slot."""
+        largest = max(g.block_bytes for g in layout.groups)
+        if self._slot_bytes is not None and self._slot_bytes < largest:
+            raise ValueError(
+                f"EmbeddedStore slot_bytes={self._slot_bytes} is smaller than a block of this KV cache "
+                f"({largest} bytes); give at least {largest} or leave it unset"
+            )
+        with self._lock:
+            if self.arena is None:
+                self._allocate(layout)
+            else:
+                self.arena.attach(layout)
+
+    def _allocate(self, layout=None) -> bool:
+        """(under the lock) Allocate the arena once its slot size is known."""
+        from kvstride.arena import HostArena, SlotIndex, slots_for
+
+        if layout is None and self._slot_bytes is None:
+            return False
+        slot = self._slot_bytes or max(g.block_bytes for g in layout.groups)
+        count = slots_for(self.capacity, slot)
+        self.arena = HostArena(layout, count, slot_bytes=slot)
+        self._index = SlotIndex(count)
+        return True
+
+    @property
+    def slot_bytes(self) -> Optional[int]:
+        return None if self.arena is None else self.arena.slot_bytes
+
+    @property
+    def num_slots(self) -> int:
+        return 0 if self.arena is None else self.arena.num_slots
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of host memory the store holds (the arena: at most ``capacity``)."""
+        return 0 if self.arena is None else self.arena.nbytes
+
+    @property
+    def used(self) -> int:
+        """Bytes of the slots holding a readable value."""
+        return 0 if self.arena is None else len(self._index) * self.arena.slot_bytes
+
+    @property
+    def evictions(self) -> int:
+        return 0 if self._index is None else self._index.evictions
 
     def __len__(self) -> int:
-        return len(self._data)
+        return 0 if self._index is None else len(self._index)
+
+    # -- protocol --
 
     def exists(self, keys):
+        keys = list(keys)
         with self._lock:
             if self._closed:
                 self._note("exists", Status.UNAVAILABLE, len(keys), "store closed")
                 return [False] * len(keys)
-            return [k in self._data for k in keys]
+            return [False] * len(keys) if self._index is None else self._index.exists(keys)
+
+    def _begin_writes(self, op: str, keys: list, todo: list, out: list) -> list:
+        """(under the lock) Slots for the keys at ``todo`` not stored yet: present keys are OK
+        (idempotent, touched), the others reserved; FULL when every slot is busy. Returns
+        [(index into keys, slot)] to write."""
+        index = self._index
+        ready = index.exists([keys[i] for i in todo])
+        index.touch([keys[i] for i, r in zip(todo, ready) if r])
+        fresh = [i for i, r in zip(todo, ready) if not r]
+        writing = index.known([keys[i] for i in fresh])
+        for i, w in zip(fresh, writing):
+            if w:  # another put of this key is writing it now
+                out[i] = Status.OK
+        fresh = [i for i, w in zip(fresh, writing) if not w]
+        for i, r in zip(todo, ready):
+            if r:
+                out[i] = Status.OK
+        slots = index.reserve([keys[i] for i in fresh])
+        writes = []
+        for i, slot in zip(fresh, slots):
+            if slot is None:
+                out[i] = Status.FULL
+                self._note(op, Status.FULL, 0, "every slot is being read or written")
+            else:
+                writes.append((i, slot))
+        return writes
+
+    def _end_writes(self, keys: list, writes: list, ok: bool) -> None:
+        with self._lock:
+            written = [keys[i] for i, _ in writes]
+            if ok and not self._closed:
+                self._index.confirm(written)
+            else:
+                self._index.abandon(written)
 
     def put(self, keys, buffers):
         keys = list(keys)
         prepared = self._prepare("put", keys, buffers, writable=False)
         if prepared is None:
             return [Status.INVALID] * len(keys)
-        regs, _keep, out, first, uniq = prepared  # _keep: the buffers stay alive for the call
-        for i in uniq:
-            if out[i] is not None:
-                continue
-            k = keys[i]
-            size = HEADER_BYTES + sum(n for _, n in regs[i])
-            with self._lock:
-                if self._closed:
+        regs, _keep, out, first, uniq, totals = prepared  # _keep: the buffers stay alive for the call
+        todo = [i for i in uniq if out[i] is None]
+        with self._lock:
+            if self._closed:
+                for i in todo:
                     out[i] = Status.UNAVAILABLE
-                    continue
-                if k in self._data:
-                    self._data.move_to_end(k)
+                todo = []
+            elif todo and self.arena is None and not self._allocate():
+                self._note("put", Status.INVALID, 0, "no slot size yet: pass slot_bytes= or bind_layout() first")
+                for i in todo:
+                    out[i] = Status.INVALID
+                todo = []
+            if todo:
+                slot_bytes = self.arena.slot_bytes
+                for i in todo:
+                    if totals[i] > slot_bytes:
+                        out[i] = Status.FULL
+                todo = [i for i in todo if out[i] is None]
+                writes = self._begin_writes("put", keys, todo, out)
+        if todo and writes:
+            try:
+                self.arena.save_regions([s for _, s in writes], [regs[i] for i, _ in writes], digest=self.verify)
+            except Exception as e:  # never raise at run time: these puts failed
+                self._note("put", Status.ERROR, 0, repr(e))
+                self._end_writes(keys, writes, ok=False)
+                for i, _ in writes:
+                    out[i] = Status.ERROR
+            else:
+                self._end_writes(keys, writes, ok=True)
+                for i, _ in writes:
                     out[i] = Status.OK
-                    continue
-                if size > self.capacity:
-                    out[i] = Status.FULL
-                    continue
-                while self.used + size > self.capacity and self._data:
-                    _, old = self._data.popitem(last=False)
-                    self.used -= old.nbytes
-                    self.counters["evicted"] += 1
-                self.used += size  # reserved; the value becomes visible only once complete
-            value = np.empty(size, dtype=np.uint8)
-            base = value.ctypes.data
-            pos = base + HEADER_BYTES
-            for a, n in regs[i]:
-                ctypes.memmove(pos, a, n)
-                pos += n
-            value[:HEADER_BYTES] = np.frombuffer(self._make_header(k, [(base + HEADER_BYTES, size - HEADER_BYTES)]), np.uint8)
-            with self._lock:
-                if self._closed or k in self._data:
-                    self.used -= size
-                else:
-                    self._data[k] = value
-            out[i] = Status.OK
-        for i, k in enumerate(keys):
-            if out[i] is None:
-                out[i] = out[first[k]]
-        for s in out:
-            self._note("put", s, 1, "")
+        return self._finish("put", keys, out, first)
+
+    def _finish(self, op: str, keys: list, out: list, first: dict, regs=None) -> list:
+        """Repeated keys take their first occurrence's status (and bytes); count them all."""
+        if len(first) < len(keys):
+            for i, k in enumerate(keys):
+                if out[i] is None:
+                    out[i] = out[first[k]]
+                    if regs is not None and out[i] is Status.OK:
+                        _copy_parts(regs[first[k]], regs[i])
+        self._note_all(op, out)
         return out
+
+    def _pin(self, keys: list, todo: list, out: list) -> list:
+        """(under the lock) Pin the slots of the keys at ``todo`` that are readable; MISSING
+        (or UNAVAILABLE when closed) for the others. Returns [(index into keys, slot)]."""
+        if self._closed or self._index is None:
+            for i in todo:
+                out[i] = Status.UNAVAILABLE if self._closed else Status.MISSING
+            return []
+        slots = self._index.pin_ready([keys[i] for i in todo])
+        reads = []
+        for i, slot in zip(todo, slots):
+            if slot is None:
+                out[i] = Status.MISSING
+            else:
+                reads.append((i, slot))
+        return reads
+
+    def _end_reads(self, keys: list, reads: list, ok, fits, op: str, out: list) -> None:
+        """Unpin; drop the values whose digest check failed (the next put rewrites them). A
+        value that does not ``fit`` its destination (length, group) is left for its readers."""
+        ok = ok.tolist()
+        with self._lock:
+            self._index.unpin([slot for _, slot in reads])
+            if not all(ok):
+                self._index.drop_slots([slot for (_, slot), good, fit in zip(reads, ok, fits) if fit and not good])
+        for (i, _), good in zip(reads, ok):
+            out[i] = Status.OK if good else Status.CORRUPT
+        if not all(ok):
+            first_bad = keys[reads[ok.index(False)][0]]
+            self._note(op, Status.CORRUPT, 0, f"{first_bad!r}: payload hash, length or group mismatch")
 
     def get(self, keys, buffers):
         keys = list(keys)
         prepared = self._prepare("get", keys, buffers, writable=True)
         if prepared is None:
             return [Status.INVALID] * len(keys)
-        regs, _keep, out, first, uniq = prepared  # _keep: the buffers stay alive for the call
-        for i in uniq:
-            if out[i] is not None:
-                continue
-            k = keys[i]
-            with self._lock:
-                value = None if self._closed else self._data.get(k)
-                if value is not None:
-                    self._data.move_to_end(k)
-                closed = self._closed
-            if value is None:
-                out[i] = Status.UNAVAILABLE if closed else Status.MISSING
-                continue
-            base = value.ctypes.data
-            src = [(base + HEADER_BYTES, value.nbytes - HEADER_BYTES)]
-            why = "" if value.nbytes >= HEADER_BYTES else "short value"
-            why = why or self._check(k, value[:HEADER_BYTES].tobytes(), regs[i], src)
-            if why:
-                self._note("get", Status.CORRUPT, 0, f"{k!r}: {why}")
+        regs, _keep, out, first, uniq, totals = prepared  # _keep: the buffers stay alive for the call
+        with self._lock:
+            reads = self._pin(keys, [i for i in uniq if out[i] is None], out)
+        if reads:
+            slots = np.array([s for _, s in reads], dtype=np.int64)
+            fits = self.arena.lengths[slots] == np.array([totals[i] for i, _ in reads], dtype=np.uint64)
+            try:
+                ok = self.arena.load_regions(slots, [regs[i] for i, _ in reads], verify=self.verify)
+            except Exception as e:  # never raise at run time: these gets failed
+                self._note("get", Status.ERROR, 0, repr(e))
+                ok = None
+            if ok is None:
                 with self._lock:
-                    if why in _BAD_CONTENT and self._data.get(k) is value:
-                        del self._data[k]
-                        self.used -= value.nbytes
-                out[i] = Status.CORRUPT
-                continue
-            _copy_parts(src, regs[i])
-            out[i] = Status.OK
-        for i, k in enumerate(keys):
-            if out[i] is None:
-                out[i] = out[first[k]]
-                if out[i] is Status.OK:
-                    _copy_parts(regs[first[k]], regs[i])
-        for s in out:
-            self._note("get", s, 1, "")
-        return out
+                    self._index.unpin([slot for _, slot in reads])
+                for i, _ in reads:
+                    out[i] = Status.ERROR
+            else:
+                self._end_reads(keys, reads, ok, fits, "get", out)
+        return self._finish("get", keys, out, first, regs)
+
+    # -- blocks straight between the KV cache and the slots (bound to a layout) --
+
+    def save_blocks(self, keys, groups, block_ids) -> list:
+        """Store block ``block_ids[i]`` of group ``groups[i]`` of the bound layout under
+        ``keys[i]``: one copy from the KV tensors into a slot. Statuses as ``put``."""
+        keys = list(keys)
+        out: list = [None] * len(keys)
+        first, uniq = self._dedup(keys)
+        with self._lock:
+            if self._closed or self.arena is None or self.arena.layout is None:
+                why = "store closed" if self._closed else "no layout bound"
+                status = Status.UNAVAILABLE if self._closed else Status.INVALID
+                self._note("put", status, 0, why)
+                return self._finish("put", keys, [status] * len(keys), first)
+            writes = self._begin_writes("put", keys, uniq, out)
+        if writes:
+            rows = [i for i, _ in writes]
+            try:
+                self.arena.save(
+                    [s for _, s in writes], np.asarray(groups)[rows], np.asarray(block_ids)[rows], digest=self.verify
+                )
+            except Exception as e:
+                self._note("put", Status.ERROR, 0, repr(e))
+                self._end_writes(keys, writes, ok=False)
+                for i in rows:
+                    out[i] = Status.ERROR
+            else:
+                self._end_writes(keys, writes, ok=True)
+                for i in rows:
+                    out[i] = Status.OK
+        return self._finish("put", keys, out, first)
+
+    def load_blocks(self, keys, groups, block_ids) -> list:
+        """Load ``keys[i]`` into block ``block_ids[i]`` of group ``groups[i]``: one copy from
+        the slot, only after its digest matched. A key asked twice is written to both blocks.
+        Statuses as ``get``; a non-OK key's block is left untouched."""
+        keys = list(keys)
+        out: list = [None] * len(keys)
+        with self._lock:
+            if self.arena is not None and self.arena.layout is None and not self._closed:
+                self._note("get", Status.INVALID, 0, "no layout bound")
+                return self._finish("get", keys, [Status.INVALID] * len(keys), {})
+            reads = self._pin(keys, list(range(len(keys))), out)  # pins count per destination
+        if reads:
+            rows = [i for i, _ in reads]
+            slots, groups = np.array([s for _, s in reads], dtype=np.int64), np.asarray(groups)[rows]
+            fits = self.arena.slot_group[slots] == groups
+            try:
+                ok = self.arena.load(slots, groups, np.asarray(block_ids)[rows], verify=self.verify)
+            except Exception as e:
+                self._note("get", Status.ERROR, 0, repr(e))
+                with self._lock:
+                    self._index.unpin([slot for _, slot in reads])
+                for i in rows:
+                    out[i] = Status.ERROR
+            else:
+                self._end_reads(keys, reads, ok, fits, "get", out)
+        return self._finish("get", keys, out, {})
+
+    # -- housekeeping --
 
     def remove(self, keys) -> None:
         with self._lock:
-            for k in keys:
-                v = self._data.pop(k, None)
-                if v is not None:
-                    self.used -= v.nbytes
+            if self._index is not None:
+                self._index.drop_slots([s for s in map(self._index.slot, keys) if s is not None])
 
     def keys(self) -> list:
         """A snapshot of the stored keys, least recently used first."""
         with self._lock:
-            return list(self._data)
+            return [] if self._index is None else self._index.keys()
+
+    def value_view(self, key: str) -> Optional[np.ndarray]:
+        """The stored bytes of ``key`` in place (tests and fault injection), or None."""
+        with self._lock:
+            slot = None if self._index is None else self._index.slot(key)
+            if slot is None:
+                return None
+            start = slot * self.arena.slot_bytes
+            return self.arena.buffer[start : start + int(self.arena.lengths[slot])].numpy()
 
     def clear(self) -> None:
         """Drop every value (the store stays open), as a restarted store would be."""
         with self._lock:
-            self._data.clear()
-            self.used = 0
+            if self._index is not None:
+                self._index.drop_slots(self._index.ready_slots())
 
     def close(self) -> None:
         with self._lock:
             self._closed = True
-            self._data.clear()
-            self.used = 0
+            if self._index is not None:
+                self._index.drop_slots(self._index.ready_slots())
 
 
 # ---- Mooncake master --------------------------------------------------------------------
@@ -613,6 +837,8 @@ class MooncakeStore(KVStore):
     ``segment_bytes``: memory this client contributes (0 = a pure client).  Objects live in some
     client's segment and vanish with it (and all of them when the master restarts).
     """
+
+    takes_digests = True
 
     def __init__(
         self,
@@ -803,19 +1029,27 @@ class MooncakeStore(KVStore):
     def _headers(self, n: int) -> np.ndarray:
         return np.zeros(max(n, 1) * HEADER_BYTES, dtype=np.uint8)
 
-    def put(self, keys, buffers):
+    def put(self, keys, buffers, digests=None):
+        """``digests``: each value's payload XXH3-64 when the caller computed it while copying
+        the bytes (``Transfer.gather(batch, digests=True)``), so they are not read again here."""
         keys = list(keys)
         prepared = self._prepare("put", keys, buffers, writable=False)
         if prepared is None:
             return [Status.INVALID] * len(keys)
-        regs, _keep, out, first, uniq = prepared  # _keep: the buffers stay alive for the call
+        regs, _keep, out, first, uniq, totals = prepared  # _keep: the buffers stay alive for the call
         todo = [i for i in uniq if out[i] is None]
         if todo:
             hdr = self._headers(len(todo))
             hbase = hdr.ctypes.data
-            digests = _hash_many([regs[i] for i in todo]) if self.verify else [None] * len(todo)
-            for j, i in enumerate(todo):
-                hdr[j * HEADER_BYTES : (j + 1) * HEADER_BYTES] = np.frombuffer(self._make_header(keys[i], regs[i], digests[j]), np.uint8)
+            if not self.verify:
+                digests = [None] * len(todo)
+            elif digests is not None and len(digests) == len(keys):
+                digests = [int(digests[i]) for i in todo]
+            else:
+                digests = _hash_many([regs[i] for i in todo])
+            hdr[: len(todo) * HEADER_BYTES] = np.frombuffer(
+                b"".join(self._make_header(keys[i], regs[i], digests[j]) for j, i in enumerate(todo)), np.uint8
+            )
             ptrs = [[hbase + j * HEADER_BYTES] + [a for a, _ in regs[i]] for j, i in enumerate(todo)]
             sizes = [[HEADER_BYTES] + [n for _, n in regs[i]] for i in todo]
             codes = self._call("put", "batch_put_from_multi_buffers", [keys[i] for i in todo], ptrs, sizes)
@@ -823,11 +1057,11 @@ class MooncakeStore(KVStore):
                 out[i] = _status_of(rc, "put")
                 if out[i] is not Status.OK:
                     self._note("put", out[i], 0, f"code {rc}")
-        for i, k in enumerate(keys):
-            if out[i] is None:
-                out[i] = out[first[k]]
-        for s in out:
-            self._note("put", s, 1, "")
+        if len(first) < len(keys):
+            for i, k in enumerate(keys):
+                if out[i] is None:
+                    out[i] = out[first[k]]
+        self._note_all("put", out)
         return out
 
     def _call(self, op: str, method: str, keys, ptrs, sizes) -> list:
@@ -847,14 +1081,20 @@ class MooncakeStore(KVStore):
         self._saw(codes)
         return codes
 
-    def get(self, keys, buffers):
+    def get(self, keys, buffers, digests_out=None):
+        """``digests_out``: a list as long as ``keys``; when given (and verifying), the payload
+        hashes are not checked here: each OK key's entry is set to the digest its header
+        carries, and the caller must check the bytes against it before they reach a KV block
+        (``Transfer.scatter(batch, ok, expected=digests_out)`` does, hashing while it copies)
+        and report the keys that failed with :meth:`corrupt`."""
         keys = list(keys)
         prepared = self._prepare("get", keys, buffers, writable=True)
         if prepared is None:
             return [Status.INVALID] * len(keys)
-        regs, _keep, out, first, uniq = prepared  # _keep: the buffers stay alive for the call
+        regs, _keep, out, first, uniq, totals = prepared  # _keep: the buffers stay alive for the call
         todo = [i for i in uniq if out[i] is None]
         corrupt = []
+        defer = self.verify and digests_out is not None and len(digests_out) == len(keys)
         if todo:
             hdr = self._headers(len(todo))
             hbase = hdr.ctypes.data
@@ -862,25 +1102,27 @@ class MooncakeStore(KVStore):
             sizes = [[HEADER_BYTES] + [n for _, n in regs[i]] for i in todo]
             codes = self._call("get", "batch_get_into_multi_buffers", [keys[i] for i in todo], ptrs, sizes)
             hashes: dict = {}
-            if self.verify:  # every full-sized value's payload, hashed in place in one call
-                full = [j for j, (i, rc) in enumerate(zip(todo, codes)) if rc == HEADER_BYTES + sum(n for _, n in regs[i])]
+            if self.verify and not defer:  # every full-sized value's payload, hashed in place in one call
+                full = [j for j, (i, rc) in enumerate(zip(todo, codes)) if rc == HEADER_BYTES + totals[i]]
                 hashes = dict(zip(full, _hash_many([regs[todo[j]] for j in full])))
+            headers = hdr.tobytes()
             for j, (i, rc) in enumerate(zip(todo, codes)):
                 st = _status_of(rc, "get")
                 why = ""
                 if st is Status.OK:
-                    want = HEADER_BYTES + sum(n for _, n in regs[i])
+                    want = HEADER_BYTES + totals[i]
                     why = f"value is {rc} B, expected {want}" if rc != want else ""
-                    why = why or self._check(
-                        keys[i], hdr[j * HEADER_BYTES : (j + 1) * HEADER_BYTES].tobytes(), regs[i], payload_hash=hashes.get(j)
-                    )
+                    header = headers[j * HEADER_BYTES : (j + 1) * HEADER_BYTES]
+                    why = why or self._check(keys[i], header, regs[i], payload_hash=hashes.get(j), defer_payload=defer)
+                    if defer and not why:
+                        digests_out[i] = _HDR.unpack_from(header, 0)[-1]
                     if why:
                         st = Status.CORRUPT
                         if why in _BAD_CONTENT:
                             corrupt.append(keys[i])
                 elif st is Status.CORRUPT:
                     why = f"code {rc} (value larger than the destination)"
-                elif rc == -800 and self._size_differs(keys[i], HEADER_BYTES + sum(n for _, n in regs[i])):
+                elif rc == -800 and self._size_differs(keys[i], HEADER_BYTES + totals[i]):
                     st, why = Status.CORRUPT, "code -800 and a stored size other than expected"
                 if st is not Status.OK:
                     self._note("get", st, 0, f"{keys[i]!r}: {why or f'code {rc}'}")
@@ -892,9 +1134,21 @@ class MooncakeStore(KVStore):
                 out[i] = out[first[k]]
                 if out[i] is Status.OK:
                     _copy_parts(regs[first[k]], regs[i])
-        for s in out:
-            self._note("get", s, 1, "")
+                    if defer:
+                        digests_out[i] = digests_out[first[k]]
+        self._note_all("get", out)
         return out
+
+    def corrupt(self, keys) -> None:
+        """Keys a ``get(..., digests_out=...)`` answered OK whose bytes failed the caller's
+        digest check: counted as corrupt (not OK) and removed, so that a later put rewrites
+        them."""
+        keys = list(dict.fromkeys(keys))
+        if not keys:
+            return
+        self.counters["get.ok"] -= len(keys)
+        self._note("get", Status.CORRUPT, len(keys), f"{keys[0]!r}: payload hash mismatch")
+        self._remove(keys)
 
     def _size_differs(self, key: str, want: int) -> bool:
         """A value smaller than its destination fails as TRANSFER_FAIL (-800), like a dead

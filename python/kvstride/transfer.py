@@ -136,6 +136,8 @@ class StagedBatch:
     runs: list = field(default_factory=list)
     _parts: list = field(default_factory=list)
     _released: bool = False
+    digests: Optional[np.ndarray] = None  # per entry, set by gather(digests=True)
+    verified: Optional[np.ndarray] = None  # per entry, set by scatter(expected=...)
 
     def parts(self, i: int) -> list:
         return self._parts[i]
@@ -270,32 +272,65 @@ class Transfer:
         ev.record(self.stream)
         return Fence(ev)
 
-    def _cpu_copy(self, batch: StagedBatch, to_pool: bool, ok: Optional[Sequence[bool]] = None) -> Fence:
-        """Both directions on CPU: one raw region copy per block piece in the Rust core, GIL
-        released. Not torch's ops: called from the engine's lanes, a torch op opens an OpenMP
-        team that fights vLLM's bound OpenMP threads (a 144 KiB scatter took 60-80 ms)."""
-        from kvstride import _core
-
-        kv, pool, length = [], [], []
+    def _cpu_rows(self, batch: StagedBatch, ok: Optional[Sequence[bool]] = None):
+        """The batch's entries (those with ``ok[i]``) as rows for the Rust copies: per piece
+        the KV address, the staging address and the size, entry by entry (``row_start``), and
+        the entry index of each row."""
+        kv, pool, length, counts, order = [], [], [], [], []
         for run in batch.runs:
             keep = np.arange(len(run.rows)) if ok is None else np.flatnonzero([ok[i] for i in run.rows])
             if not len(keep):
                 continue
             ids = run.ids.numpy()[keep].astype(np.uint64)
-            for po, p in zip(run.piece_offs, self.layout.groups[run.group].pieces):
-                base = self.layout.storages[p.storage].data_ptr() + p.offset
-                kv.append(np.uint64(base) + ids * np.uint64(p.stride))
-                pool.append(np.uint64(self.pool.ptr + po) + keep.astype(np.uint64) * np.uint64(p.size))
-                length.append(np.full(len(keep), p.size, dtype=np.uint64))
-        if kv:
-            kv, pool, length = (np.ascontiguousarray(np.concatenate(x)) for x in (kv, pool, length))
+            pieces = self.layout.groups[run.group].pieces
+            base = np.array([self.layout.storages[p.storage].data_ptr() + p.offset for p in pieces], dtype=np.uint64)
+            stride = np.array([p.stride for p in pieces], dtype=np.uint64)
+            size = np.array([p.size for p in pieces], dtype=np.uint64)
+            staged = np.uint64(self.pool.ptr) + np.array(run.piece_offs, dtype=np.uint64)
+            kv.append((base[None, :] + ids[:, None] * stride[None, :]).ravel())
+            pool.append((staged[None, :] + keep.astype(np.uint64)[:, None] * size[None, :]).ravel())
+            length.append(np.broadcast_to(size, (len(keep), len(pieces))).ravel())
+            counts.append(np.full(len(keep), len(pieces), dtype=np.uint64))
+            order.append(np.asarray(run.rows, dtype=np.int64)[keep])
+        if not kv:
+            return None
+        kv, pool, length = (np.ascontiguousarray(np.concatenate(x), dtype=np.uint64) for x in (kv, pool, length))
+        row_start = np.concatenate([[0], np.cumsum(np.concatenate(counts))]).astype(np.uint64)
+        return kv, pool, length, row_start, np.concatenate(order)
+
+    def _cpu_copy(self, batch: StagedBatch, to_pool: bool, ok=None, digests: bool = False, expected=None) -> Fence:
+        """Both directions on CPU: raw region copies in the Rust core, GIL released. Not
+        torch's ops: called from the engine's lanes, a torch op opens an OpenMP team that
+        fights vLLM's bound OpenMP threads (a 144 KiB scatter took 60-80 ms).
+
+        ``digests`` (gather): also keep each entry's XXH3-64, hashed while it is in cache.
+        ``expected`` (scatter): write an entry only if its staged bytes have that digest."""
+        from kvstride import _core
+
+        rows = self._cpu_rows(batch, ok)
+        if digests:
+            batch.digests = np.zeros(len(batch.blocks), dtype=np.uint64)
+        if expected is not None:
+            batch.verified = np.zeros(len(batch.blocks), dtype=bool)
+        if rows is None:
+            return Fence()
+        kv, pool, length, row_start, order = rows
+        if digests:
+            batch.digests[order] = _core._save_rows(kv, pool, length, row_start)
+        elif expected is not None:
+            want = np.asarray(expected, dtype=np.uint64)[order]
+            batch.verified[order] = _core._load_rows(pool, kv, length, row_start, want)
+        else:
             _core._copy_regions(*((kv, pool) if to_pool else (pool, kv)), length)
         return Fence()
 
-    def gather(self, batch: StagedBatch) -> Fence:
-        """KV blocks -> staging.  One index_select per (group, piece)."""
+    def gather(self, batch: StagedBatch, *, digests: bool = False) -> Fence:
+        """KV blocks -> staging. ``digests`` (CPU only): also set ``batch.digests``, each
+        entry's XXH3-64 (the store's payload hash), computed while the bytes are in cache."""
         if not self.cuda:
-            return self._cpu_copy(batch, to_pool=True)
+            return self._cpu_copy(batch, to_pool=True, digests=digests)
+        if digests:
+            raise ValueError("digests during the gather are computed on CPU KV caches only")
         ctx = self._begin()
         if ctx is not None:
             ctx.__enter__()
@@ -314,10 +349,14 @@ class Transfer:
                 ctx.__exit__(None, None, None)
         return self._end(ctx)
 
-    def scatter(self, batch: StagedBatch, ok: Optional[Sequence[bool]] = None) -> Fence:
-        """Staging -> KV blocks, only for entries with ``ok[i]`` true (default: all)."""
+    def scatter(self, batch: StagedBatch, ok: Optional[Sequence[bool]] = None, *, expected=None) -> Fence:
+        """Staging -> KV blocks, only for entries with ``ok[i]`` true (default: all).
+        ``expected`` (CPU only): the XXH3-64 each entry's staged bytes must have; an entry
+        whose bytes differ is not written, and ``batch.verified`` tells which were."""
         if not self.cuda:
-            return self._cpu_copy(batch, to_pool=False, ok=ok)
+            return self._cpu_copy(batch, to_pool=False, ok=ok, expected=expected)
+        if expected is not None:
+            raise ValueError("digest-checked scatters run on CPU KV caches only")
         ctx = self._begin()
         if ctx is not None:
             ctx.__enter__()

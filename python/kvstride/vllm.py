@@ -49,7 +49,6 @@ import collections
 import logging
 import threading
 import time
-import types
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import numpy as np
@@ -298,9 +297,7 @@ class KVStrideConnector(KVConnectorBase_V1, SupportsHMA):
             if self.arena_mode:
                 self.index = SlotIndex(self.num_slots)
             store = self.index if self.arena_mode else self.store
-            self.engine = OffloadEngine(
-                self.planner, types.SimpleNamespace(pool=None, layout=None), store, name="kvstride-sched"
-            )
+            self.engine = OffloadEngine(self.planner, None, store, name="kvstride-sched")
 
     # ---- shared ----------------------------------------------------------------------------
 
