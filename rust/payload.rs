@@ -1,22 +1,24 @@
 //! XXH3-64 (seed 0) of a store value given as parts: the payload hash of verified reads
 //! (`kvstride.stores`). Equal to `xxhash_rust::xxh3::xxh3_64` over the parts' concatenation.
 //! The bindings call it with the GIL released and spread a batch of values over rayon's threads;
-//! the per-core rate is xxhash-rust's (its SIMD width is chosen at compile time).
+//! twox-hash chooses its SIMD width (AVX2 where the CPU has it) at run time.
 
-use xxhash_rust::xxh3::{xxh3_64, Xxh3};
+use std::hash::Hasher as _;
+
+use twox_hash::XxHash3_64;
 
 /// XXH3-64 of `parts` concatenated.
 pub fn xxh3_64_parts(parts: &[&[u8]]) -> u64 {
     let mut nonempty = parts.iter().filter(|p| !p.is_empty());
     match (nonempty.next(), nonempty.next()) {
-        (None, _) => xxh3_64(&[]),
-        (Some(one), None) => xxh3_64(one),
+        (None, _) => XxHash3_64::oneshot(&[]),
+        (Some(one), None) => XxHash3_64::oneshot(one),
         _ => {
-            let mut h = Xxh3::new();
+            let mut h = XxHash3_64::with_seed(0);
             for p in parts {
-                h.update(p);
+                h.write(p);
             }
-            h.digest()
+            h.finish()
         }
     }
 }
@@ -24,6 +26,7 @@ pub fn xxh3_64_parts(parts: &[&[u8]]) -> u64 {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use xxhash_rust::xxh3::xxh3_64; // an independent implementation of the same digest
 
     fn data(n: usize) -> Vec<u8> {
         let mut x = 0x9E37_79B9_7F4A_7C15u64;

@@ -4,7 +4,10 @@
 //! computes the addresses from tensors it keeps alive; the work is spread over rayon's threads
 //! once a batch is large enough to pay for it.
 
+use std::hash::Hasher as _;
+
 use rayon::prelude::*;
+use twox_hash::XxHash3_64;
 
 /// Below this many bytes in a batch one thread does all of it (thread wake-ups cost more).
 pub const PARALLEL_BYTES: u64 = 1 << 20;
@@ -34,7 +37,7 @@ pub unsafe fn xxh3_regions(addr: &[u64], len: &[u64]) -> Vec<u64> {
     let hash = |i: usize| {
         // SAFETY: the caller's contract above.
         let bytes = unsafe { std::slice::from_raw_parts(addr[i] as *const u8, len[i] as usize) };
-        xxhash_rust::xxh3::xxh3_64(bytes)
+        XxHash3_64::oneshot(bytes)
     };
     let total: u64 = len.iter().sum();
     if total >= PARALLEL_BYTES && len.len() > 1 {
@@ -81,14 +84,14 @@ impl Rows<'_> {
         if contiguous && !regions.is_empty() {
             let total: u64 = self.len[regions.clone()].iter().sum();
             // SAFETY: the regions are readable and back to back.
-            return xxhash_rust::xxh3::xxh3_64(unsafe { std::slice::from_raw_parts(addr[regions.start] as *const u8, total as usize) });
+            return XxHash3_64::oneshot(unsafe { std::slice::from_raw_parts(addr[regions.start] as *const u8, total as usize) });
         }
-        let mut hasher = xxhash_rust::xxh3::Xxh3::new();
+        let mut hasher = XxHash3_64::with_seed(0);
         for i in regions {
             // SAFETY: the caller's contract.
-            hasher.update(unsafe { self.bytes(addr, i) });
+            hasher.write(unsafe { self.bytes(addr, i) });
         }
-        hasher.digest()
+        hasher.finish()
     }
 
     fn parallel(&self) -> bool {
