@@ -2,7 +2,7 @@
 request's blocks (plan, copy, store), then look it up and load it into other blocks, with
 verified reads on, against raw copies of the same bytes in the same run.
 
-    python benches/engine.py [--blocks 256] [--layers 4] [--piece-kib 64] [--repeat 15]
+    python benches/engine.py [--blocks 256] [--layers 4] [--piece-kib 64] [--repeat 31]
                              [--threads 1] [--stores embedded,mooncake]
 
 The workload is issue 10's: one request of 256 blocks x 4 full-attention layers, 64 KiB per
@@ -156,7 +156,7 @@ def main() -> None:
     parser.add_argument("--blocks", type=int, default=256)
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--piece-kib", type=int, default=64)
-    parser.add_argument("--repeat", type=int, default=15)
+    parser.add_argument("--repeat", type=int, default=31)
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads (the baseline's)")
     parser.add_argument("--stores", default="embedded,mooncake")
     args = parser.parse_args()

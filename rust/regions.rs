@@ -1,8 +1,9 @@
-//! Raw byte regions for the host arena (`kvstride.arena`): one copy per block piece between
-//! the KV cache and an arena slot, fused with the XXH3 digest of the slot (computed while the
-//! slot is still in cache on a save, checked before any byte moves on a load). The caller
-//! computes the addresses from tensors it keeps alive; the work is spread over rayon's threads
-//! once a batch is large enough to pay for it.
+//! Raw byte regions for kvstride's own copies: between the KV cache and an arena slot
+//! (`kvstride.arena`), or a staging buffer (`kvstride.transfer`). One copy per block piece,
+//! fused with the XXH3-64 of the block's bytes (computed while they are in cache on a save,
+//! checked before any byte moves on a load). The caller computes the addresses from tensors it
+//! keeps alive; the work is spread over rayon's threads once a batch is large enough to pay for
+//! it, and written with non-temporal stores once it is far larger than the cache.
 
 use std::hash::Hasher as _;
 
@@ -11,6 +12,57 @@ use twox_hash::XxHash3_64;
 
 /// Below this many bytes in a batch one thread does all of it (thread wake-ups cost more).
 pub const PARALLEL_BYTES: u64 = 1 << 20;
+
+/// From this many bytes in a batch (well past a last-level cache) rows are written with
+/// non-temporal stores: a plain store first reads every destination line it overwrites, a third
+/// memory pass that glibc's `memcpy` (torch's `copy_`) also skips for copies this large, while
+/// the 64 KiB pieces of a block are far below the size where `memcpy` would itself.
+pub const STREAM_BYTES: u64 = 16 << 20;
+
+/// Copy `n` bytes without reading the destination into the cache (non-temporal stores; the
+/// caller fences). Falls back to `copy_nonoverlapping` off x86-64.
+///
+/// # Safety
+/// As `std::ptr::copy_nonoverlapping`.
+unsafe fn copy_streaming(src: *const u8, dst: *mut u8, n: usize) {
+    #[cfg(target_arch = "x86_64")]
+    {
+        use std::arch::x86_64::{__m128i, _mm_loadu_si128, _mm_stream_si128};
+        // SAFETY: the caller's contract; SSE2 is part of x86-64; stores go to 16-byte aligned
+        // addresses inside the destination, the unaligned head and tail are copied plainly.
+        unsafe {
+            let head = dst.align_offset(16).min(n);
+            std::ptr::copy_nonoverlapping(src, dst, head);
+            let mut i = head;
+            while i + 64 <= n {
+                let s = src.add(i) as *const __m128i;
+                let (a, b, c, d) = (_mm_loadu_si128(s), _mm_loadu_si128(s.add(1)), _mm_loadu_si128(s.add(2)), _mm_loadu_si128(s.add(3)));
+                let t = dst.add(i) as *mut __m128i;
+                _mm_stream_si128(t, a);
+                _mm_stream_si128(t.add(1), b);
+                _mm_stream_si128(t.add(2), c);
+                _mm_stream_si128(t.add(3), d);
+                i += 64;
+            }
+            std::ptr::copy_nonoverlapping(src.add(i), dst.add(i), n - i);
+        }
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    // SAFETY: the caller's contract.
+    unsafe {
+        std::ptr::copy_nonoverlapping(src, dst, n)
+    }
+}
+
+/// Order this thread's non-temporal stores before anything it does next (the batch's
+/// completion, seen by other threads).
+fn fence_streaming() {
+    #[cfg(target_arch = "x86_64")]
+    // SAFETY: SSE2 is part of x86-64.
+    unsafe {
+        std::arch::x86_64::_mm_sfence()
+    }
+}
 
 /// Copy `len[i]` bytes from address `src[i]` to address `dst[i]`, for every `i`.
 ///
@@ -98,6 +150,29 @@ impl Rows<'_> {
         self.rows() > 1 && self.len.iter().sum::<u64>() >= PARALLEL_BYTES
     }
 
+    fn streaming(&self) -> bool {
+        self.len.iter().sum::<u64>() >= STREAM_BYTES
+    }
+
+    /// # Safety
+    /// Row `r`'s sources readable, destinations writable, none overlapping.
+    unsafe fn copy_row(&self, r: usize, streaming: bool) {
+        for i in self.regions(r) {
+            let (s, d, n) = (self.src[i] as *const u8, self.dst[i] as *mut u8, self.len[i] as usize);
+            // SAFETY: the caller's contract.
+            unsafe {
+                if streaming {
+                    copy_streaming(s, d, n)
+                } else {
+                    std::ptr::copy_nonoverlapping(s, d, n)
+                }
+            }
+        }
+        if streaming {
+            fence_streaming();
+        }
+    }
+
     fn each<T: Send>(&self, one: impl Fn(usize) -> T + Sync + Send) -> Vec<T> {
         if self.parallel() {
             (0..self.rows()).into_par_iter().with_max_len(1).map(one).collect()
@@ -114,13 +189,14 @@ impl Rows<'_> {
 /// Every source region readable and every destination writable for its length during the
 /// call, no destination overlapping any other region of the batch.
 pub unsafe fn save_rows(rows: &Rows<'_>) -> Vec<u64> {
+    let streaming = rows.streaming();
     rows.each(|r| {
-        for i in rows.regions(r) {
-            // SAFETY: the caller's contract.
-            unsafe { std::ptr::copy_nonoverlapping(rows.src[i] as *const u8, rows.dst[i] as *mut u8, rows.len[i] as usize) }
+        // SAFETY: the caller's contract. The digest is of the same bytes either way: the
+        // destination when plain stores left it in cache, else the source the copy just read.
+        unsafe {
+            rows.copy_row(r, streaming);
+            rows.digest(if streaming { rows.src } else { rows.dst }, r)
         }
-        // SAFETY: the destinations were just written and stay valid for the call.
-        unsafe { rows.digest(rows.dst, r) }
     })
 }
 
@@ -130,16 +206,13 @@ pub unsafe fn save_rows(rows: &Rows<'_>) -> Vec<u64> {
 /// # Safety
 /// As `save_rows`.
 pub unsafe fn load_rows(rows: &Rows<'_>, expected: &[u64]) -> Vec<bool> {
+    let streaming = rows.streaming();
     rows.each(|r| {
         // SAFETY: the caller's contract.
         let ok = unsafe { rows.digest(rows.src, r) } == expected[r];
         if ok {
-            for i in rows.regions(r) {
-                // SAFETY: the caller's contract.
-                unsafe {
-                    std::ptr::copy_nonoverlapping(rows.src[i] as *const u8, rows.dst[i] as *mut u8, rows.len[i] as usize)
-                }
-            }
+            // SAFETY: the caller's contract.
+            unsafe { rows.copy_row(r, streaming) }
         }
         ok
     })
@@ -210,5 +283,44 @@ mod tests {
         assert_eq!(digest, xxhash_rust::xxh3::xxh3_64(&copy[..total]));
         let whole: Vec<u8> = src.iter().zip(len).flat_map(|(&a, l)| data[(a - d) as usize..][..l as usize].to_vec()).collect();
         assert_eq!(&copy[..total], &whole[..]);
+    }
+
+    #[test]
+    fn streaming_copies_match_plain_ones_at_any_alignment() {
+        let src: Vec<u8> = (0..10_000u32).map(|i| (i * 13 % 256) as u8).collect();
+        for (from, to, n) in [(0, 0, 0), (1, 3, 15), (0, 0, 64), (5, 7, 999), (16, 1, 4096), (3, 0, 9000)] {
+            let mut dst = vec![0u8; 10_000];
+            unsafe { copy_streaming(src.as_ptr().add(from), dst.as_mut_ptr().add(to), n) };
+            fence_streaming();
+            assert_eq!(&dst[to..to + n], &src[from..from + n], "{from} {to} {n}");
+            assert!(dst[..to].iter().all(|&b| b == 0) && dst[to + n..].iter().all(|&b| b == 0));
+        }
+    }
+
+    #[test]
+    fn rows_past_the_streaming_size_save_and_load_the_same_bytes() {
+        // 20 rows of 2 pieces, 1 MiB in all per row: past STREAM_BYTES, so both directions
+        // use non-temporal stores and the save hashes the source.
+        let (rows_n, piece) = (20usize, 512usize << 10);
+        let kv: Vec<u8> = (0..rows_n * 2 * piece + 8).map(|i| (i * 7 % 253) as u8).collect();
+        let mut slots = vec![0u8; rows_n * 2 * piece];
+        let mut out = vec![0u8; rows_n * 2 * piece + 8];
+        let (k, s, o) = (kv.as_ptr() as u64 + 3, slots.as_mut_ptr() as u64, out.as_mut_ptr() as u64 + 5);
+        let src: Vec<u64> = (0..2 * rows_n as u64).map(|i| k + i * piece as u64).collect();
+        let dst: Vec<u64> = (0..2 * rows_n as u64).map(|i| s + i * piece as u64).collect();
+        let back: Vec<u64> = (0..2 * rows_n as u64).map(|i| o + i * piece as u64).collect();
+        let len = vec![piece as u64; 2 * rows_n];
+        let starts: Vec<u64> = (0..=rows_n as u64).map(|r| 2 * r).collect();
+        let save = Rows { src: &src, dst: &dst, len: &len, row_start: &starts };
+        assert!(save.streaming());
+        let digests = unsafe { save_rows(&save) };
+        for r in 0..rows_n {
+            assert_eq!(digests[r], xxhash_rust::xxh3::xxh3_64(&slots[r * 2 * piece..(r + 1) * 2 * piece]));
+        }
+        assert_eq!(&slots[..], &kv[3..3 + rows_n * 2 * piece]);
+        let load = Rows { src: &dst, dst: &back, len: &len, row_start: &starts };
+        let ok = unsafe { load_rows(&load, &digests) };
+        assert!(ok.iter().all(|&x| x));
+        assert_eq!(&out[5..5 + rows_n * 2 * piece], &slots[..]);
     }
 }
