@@ -106,17 +106,15 @@ def bench_engine(work: Workload, engine: OffloadEngine, repeat: int, raw_copy):
 
 
 def warm_segment(store: MooncakeStore, pool: StagingPool, work: Workload) -> None:
-    """Fill the segment once with throw-away values, then remove them: Mooncake faults its
-    segment pages in on first use, which neither path should pay inside the timing (a store
+    """Write the whole segment once with throw-away values, then remove them: Mooncake faults
+    its segment pages in on first use, which neither path should pay inside the timing (a store
     that has run a while has touched them all)."""
     client, size, n = store.client, work.layout.block_bytes(0), work.blocks
     keys_all = []
-    while True:
-        keys = [f"warm-{len(keys_all) + b}" for b in range(n)]
+    for batch in range(store.segment_bytes // work.bytes):
+        keys = [f"warm-{batch}-{b}" for b in range(n)]
         codes = client.batch_put_from_multi_buffers(keys, [[pool.ptr + b * size] for b in range(n)], [[size]] * n)
         keys_all += [k for k, c in zip(keys, codes) if c == 0]
-        if any(c != 0 for c in codes):
-            break
     client.batch_remove(keys_all, True)
 
 
