@@ -12,24 +12,13 @@ layer and block (64 MiB), laid out the way vLLM's CPU backend lays out a layer
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 
 import numpy as np
 import torch
 
+from _dataplane import median_seconds
 from kvstride.arena import HostArena
 from kvstride.layout import KVLayout
-
-
-def _median_seconds(fn, repeat: int) -> float:
-    fn()  # warm: first touch, thread pools
-    times = []
-    for _ in range(repeat):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
 
 
 def main() -> None:
@@ -56,21 +45,23 @@ def main() -> None:
     src = np.arange(1, args.blocks + 1)
     dst = src + args.blocks
 
-    save = _median_seconds(lambda: arena.save(slots, groups, src), args.repeat)
-    load = _median_seconds(lambda: arena.load(slots, groups, dst), args.repeat)
+    save = median_seconds(lambda: arena.save(slots, groups, src), args.repeat)
+    load = median_seconds(lambda: arena.load(slots, groups, dst), args.repeat)
     for t in kv.values():
         assert torch.equal(t[1 : args.blocks + 1], t[args.blocks + 1 :]), "a load wrote wrong bytes"
 
     raw_src = torch.empty(total, dtype=torch.uint8).random_()
     raw_dst = torch.empty(total, dtype=torch.uint8)
-    raw = _median_seconds(lambda: raw_dst.copy_(raw_src), args.repeat)
+    raw = median_seconds(lambda: raw_dst.copy_(raw_src), args.repeat)
 
     gb = total / 1e9
     print(f"{args.blocks} blocks x {args.layers} layers x {args.piece_kib} KiB = {total >> 20} MiB, "
           f"verified reads on, torch threads {args.threads}, median of {args.repeat}")
-    print(f"{'path':<28}{'GB/s':>8}{'vs raw copy':>14}")
+    print()
+    print("| path | median ms | GB/s | vs raw copy |")
+    print("|---|---:|---:|---:|")
     for name, seconds in (("save: KV -> arena slots", save), ("load: arena slots -> KV", load), ("raw torch copy_", raw)):
-        print(f"{name:<28}{gb / seconds:>8.2f}{raw / seconds:>14.2f}")
+        print(f"| {name} | {seconds * 1e3:.2f} | {gb / seconds:.2f} | {raw / seconds:.2f} |")
 
 
 if __name__ == "__main__":

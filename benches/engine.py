@@ -35,10 +35,6 @@ from kvstride.stores import EmbeddedStore, MooncakeStore, start_master
 from kvstride.transfer import StagingPool, Transfer
 
 
-def _median(times) -> float:
-    return statistics.median(times)
-
-
 class Workload:
     def __init__(self, args) -> None:
         self.blocks = args.blocks
@@ -102,7 +98,7 @@ def bench_engine(work: Workload, engine: OffloadEngine, repeat: int, raw_copy):
             times["raw"] += [raw_save, raw_load]
             ratios["save"].append(raw_save / saved)
             ratios["load"].append(raw_load / loaded)
-    return {k: _median(v) for k, v in times.items()}, {k: _median(v) for k, v in ratios.items()}
+    return {k: statistics.median(v) for k, v in times.items()}, {k: statistics.median(v) for k, v in ratios.items()}
 
 
 def warm_segment(store: MooncakeStore, pool: StagingPool, work: Workload) -> None:
@@ -146,7 +142,7 @@ def bench_raw_mooncake(work: Workload, store: MooncakeStore, pool: StagingPool, 
         if rep:
             puts.append(put)
             gets.append(get)
-    return _median(puts), _median(gets)
+    return statistics.median(puts), statistics.median(gets)
 
 
 def main() -> None:
@@ -210,9 +206,11 @@ def main() -> None:
         f"{args.blocks} blocks x {args.layers} layers x {args.piece_kib} KiB = {work.bytes >> 20} MiB per request, "
         f"verified reads on, torch threads {args.threads}, median of {args.repeat}"
     )
-    print(f"{'path':<32}{'ms':>9}{'GB/s':>8}{'vs baseline':>13}")
+    print()
+    print("| path | median ms | GB/s | vs baseline |")
+    print("|---|---:|---:|---:|")
     for name, seconds, ratio in rows:
-        print(f"{name:<32}{seconds * 1e3:>9.2f}{gb / seconds:>8.2f}{ratio:>13.2f}")
+        print(f"| {name} | {seconds * 1e3:.2f} | {gb / seconds:.2f} | {ratio:.2f} |")
 
 
 if __name__ == "__main__":

@@ -7,23 +7,12 @@ pure-Python store would do; GIL held, one core). Same digests, checked.
 
 import argparse
 import os
-import statistics
-import time
 
 import numpy as np
 import xxhash
 
+from _dataplane import median_seconds
 from kvstride import _core
-
-
-def median_time(fn, reps):
-    fn()
-    times = []
-    for _ in range(reps):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
 
 
 def main():
@@ -47,9 +36,9 @@ def main():
 
     assert package() == _core.xxh3_64_batch(values)
     rows = [
-        ("xxhash package, per value (baseline)", median_time(package, args.reps)),
-        ("kvstride xxh3_64_parts, per value", median_time(lambda: [_core.xxh3_64_parts(v) for v in values], args.reps)),
-        ("kvstride xxh3_64_batch, one call", median_time(lambda: _core.xxh3_64_batch(values), args.reps)),
+        ("xxhash package, per value (baseline)", median_seconds(package, args.reps)),
+        ("kvstride xxh3_64_parts, per value", median_seconds(lambda: [_core.xxh3_64_parts(v) for v in values], args.reps)),
+        ("kvstride xxh3_64_batch, one call", median_seconds(lambda: _core.xxh3_64_batch(values), args.reps)),
     ]
     base = rows[0][1]
     print(f"{args.values} values x {args.value_kib} KiB in 2 parts ({total / 2**20:.0f} MiB), "

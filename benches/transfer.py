@@ -11,23 +11,12 @@ kvstride time (goal >= 0.9 on CPU).
 import argparse
 import platform
 import statistics
-import time
 
 import torch
 
-from _dataplane import load
+from _dataplane import load, median_seconds
 
 layout_mod, transfer_mod = load("layout"), load("transfer")
-
-
-def median_time(fn, reps):
-    fn()
-    ts = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        fn()
-        ts.append(time.perf_counter() - t)
-    return statistics.median(ts)
 
 
 def main():
@@ -62,8 +51,8 @@ def main():
         # interleave to share noise
         tk, tb = [], []
         for _ in range(3):
-            tk.append(median_time(fn, a.reps))
-            tb.append(median_time(raw, a.reps))
+            tk.append(median_seconds(fn, a.reps))
+            tb.append(median_seconds(raw, a.reps))
         k, b = statistics.median(tk), statistics.median(tb)
         rows.append((name, k, b))
     print(f"machine: {platform.machine()} {torch.get_num_threads()} threads, torch {torch.__version__}")

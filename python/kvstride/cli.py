@@ -235,6 +235,8 @@ BENCHES = (
     ("keypath.py", ["--repeat", "5"]),
     ("transfer.py", ["--threads", "1", "--reps", "7"]),
     ("store.py", ["--reps", "5"]),
+    ("arena.py", ["--repeat", "5"]),
+    ("engine.py", ["--repeat", "7"]),
 )
 
 
