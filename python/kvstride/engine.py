@@ -628,6 +628,7 @@ class OffloadEngine:
                 if self._fused_digests:  # the store checks headers; the scatter checks bytes
                     expected = [0] * len(keys)
                     statuses = self._statuses(self.store.get(keys, batch.all_parts(), digests_out=expected), len(keys))
+                    self._time("get", time.perf_counter() - get_start)
                     ok = [status is Status.OK for status in statuses]
                     self.transfer.scatter(batch, ok=ok, expected=expected).wait()
                     bad = [i for i, (good, written) in enumerate(zip(ok, batch.verified)) if good and not written]
@@ -636,8 +637,8 @@ class OffloadEngine:
                     self.store.corrupt([keys[i] for i in bad])
                 else:
                     statuses = self._statuses(self.store.get(keys, batch.all_parts()), len(keys))
+                    self._time("get", time.perf_counter() - get_start)
                     self.transfer.scatter(batch, ok=[status is Status.OK for status in statuses]).wait()
-                self._time("get", time.perf_counter() - get_start)
             finally:
                 batch.release()
             yield batch_entries, statuses
