@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import time
 
 import pytest
 
@@ -286,6 +287,32 @@ def test_store_full_keeps_serving(model_dirs, plain_outputs):
     assert harness.mismatches(got, plain_outputs(name)) == []
     refused = {k: v for k, v in counters.items() if k.startswith("put_") and k not in ("put_ok", "put_skipped_present")}
     assert refused or evictions, counters
+
+
+def test_reset_connector_empties_the_embedded_store(model_dirs):
+    """``reset_prefix_cache(reset_connector=True)`` forgets every stored block: the repeat of
+    a prompt that hit before now misses."""
+    name = "gemma3"
+    llm = LLM(**harness.engine_kwargs(
+        harness.MODELS[name], model_dirs[name], connector=_store_config("embedded", None, f"reset-{os.getpid()}"),
+    ))
+    try:
+        sched, _ = _connectors(llm)
+        p1, _ = harness.prompts()
+        harness.generate(llm, p1)
+        harness.drain_and_forget(llm, 1)
+        assert len(sched.index) > 0
+        deadline = time.monotonic() + 60
+        while not llm.reset_prefix_cache(reset_connector=True):  # refused while saves are in flight
+            assert time.monotonic() < deadline, "reset_connector never succeeded"
+            llm.llm_engine.step()
+        assert len(sched.index) == 0
+        before = sched.matched_tokens
+        harness.generate(llm, p1)
+        assert sched.matched_tokens == before  # nothing left to hit
+    finally:
+        harness.close(llm)
+        kv_vllm.drop_shared_stores()
 
 
 def test_a_hit_whose_load_cannot_be_recorded_is_recomputed(model_dirs, plain_outputs, monkeypatch):

@@ -291,6 +291,7 @@ class KVStrideConnector(KVConnectorBase_V1, SupportsHMA):
         self._load_failed: set = set()  # loads that never reached the engine
         self._stats_last: dict = {}  # the engine counters last reported to vLLM
         self.matched_tokens = 0  # external tokens reported to vLLM (scheduler side)
+        self._mooncake_reset_logged = False
         if role == KVConnectorRole.SCHEDULER:
             # Lookups (and, for the arena, save plans) need only the planner and the index or
             # store: no KV tensors on this side.
@@ -351,6 +352,22 @@ class KVStrideConnector(KVConnectorBase_V1, SupportsHMA):
                 log.warning("kvstride engine shutdown failed: %r", err)
 
     # ---- scheduler side ------------------------------------------------------------------
+
+    def reset_cache(self) -> Optional[bool]:
+        """``reset_prefix_cache(reset_connector=True)``. The embedded store forgets every block
+        (False while a load or a save is in flight; vLLM's caller may try again). A Mooncake
+        store is shared with other engines and one of them does not clear it: False."""
+        if self.index is not None:
+            return self.index.clear()
+        if self.store is not None:
+            if not self._mooncake_reset_logged:
+                self._mooncake_reset_logged = True
+                log.warning(
+                    "kvstride: reset_connector cannot clear the Mooncake store, other engines share it; "
+                    "to drop what it holds use another cache_prefix or restart its holder (logged once)"
+                )
+            return False
+        return None
 
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int):
         try:
