@@ -268,11 +268,8 @@ class HostArena:
         return self.buffer.numel()
 
     def _group_copy(self, group) -> _GroupCopy:
-        storages = self.layout.storages
-        base = np.array([storages[p.storage].data_ptr() + p.offset for p in group.pieces], dtype=np.uint64)
-        size = np.array([p.size for p in group.pieces], dtype=np.uint64)
+        base, stride, size = self.layout.piece_addresses(group.group)
         offsets = np.concatenate([[0], np.cumsum(size)[:-1]]).astype(np.uint64)
-        stride = np.array([p.stride for p in group.pieces], dtype=np.uint64)
         return _GroupCopy(base, stride, size, offsets, group.block_bytes)
 
     def _check(self, slots: np.ndarray, groups: np.ndarray, block_ids: np.ndarray) -> None:

@@ -28,6 +28,7 @@ import struct
 from dataclasses import dataclass
 from typing import Mapping, Optional, Sequence, Union
 
+import numpy as np
 import torch
 
 __all__ = ["Piece", "GroupLayout", "KVLayout", "MAX_PIECES_PER_TENSOR"]
@@ -245,6 +246,13 @@ class KVLayout:
 
     def block_bytes(self, group: int) -> int:
         return self.groups[group].block_bytes
+
+    def piece_addresses(self, group: int):
+        """Per piece of ``group``, as uint64 arrays: its address in block 0, its block stride
+        and its size (what the raw region copies of ``kvstride.arena`` / ``transfer`` need)."""
+        pieces = self.groups[group].pieces
+        base = [self.storages[p.storage].data_ptr() + p.offset for p in pieces]
+        return tuple(np.array(x, dtype=np.uint64) for x in (base, [p.stride for p in pieces], [p.size for p in pieces]))
 
     def fingerprint(self) -> bytes:
         """8 bytes identifying the per-block geometry (not addresses): what a stored value's

@@ -454,13 +454,26 @@ class EmbeddedStore(KVStore):
                 writes.append((i, slot))
         return writes
 
-    def _end_writes(self, keys: list, writes: list, ok: bool) -> None:
+    def _write(self, op: str, keys: list, writes: list, out: list, copy) -> None:
+        """Run ``copy(slots, rows)`` for the reserved ``writes`` outside the lock, then make the
+        keys readable, or free their slots if it failed (never raised at run time)."""
+        if not writes:
+            return
+        rows, slots = [i for i, _ in writes], [s for _, s in writes]
+        try:
+            copy(slots, rows)
+            status = Status.OK
+        except Exception as e:
+            self._note(op, Status.ERROR, 0, repr(e))
+            status = Status.ERROR
         with self._lock:
-            written = [keys[i] for i, _ in writes]
-            if ok and not self._closed:
+            written = [keys[i] for i in rows]
+            if status is Status.OK and not self._closed:
                 self._index.confirm(written)
             else:
                 self._index.abandon(written)
+        for i in rows:
+            out[i] = status
 
     def put(self, keys, buffers):
         keys = list(keys)
@@ -469,35 +482,24 @@ class EmbeddedStore(KVStore):
             return [Status.INVALID] * len(keys)
         regs, _keep, out, first, uniq, totals = prepared  # _keep: the buffers stay alive for the call
         todo = [i for i in uniq if out[i] is None]
+        writes: list = []
         with self._lock:
             if self._closed:
                 for i in todo:
                     out[i] = Status.UNAVAILABLE
-                todo = []
             elif todo and self.arena is None and not self._allocate():
                 self._note("put", Status.INVALID, 0, "no slot size yet: pass slot_bytes= or bind_layout() first")
                 for i in todo:
                     out[i] = Status.INVALID
-                todo = []
-            if todo:
-                slot_bytes = self.arena.slot_bytes
+            elif todo:
                 for i in todo:
-                    if totals[i] > slot_bytes:
+                    if totals[i] > self.arena.slot_bytes:
                         out[i] = Status.FULL
-                todo = [i for i in todo if out[i] is None]
-                writes = self._begin_writes("put", keys, todo, out)
-        if todo and writes:
-            try:
-                self.arena.save_regions([s for _, s in writes], [regs[i] for i, _ in writes], digest=self.verify)
-            except Exception as e:  # never raise at run time: these puts failed
-                self._note("put", Status.ERROR, 0, repr(e))
-                self._end_writes(keys, writes, ok=False)
-                for i, _ in writes:
-                    out[i] = Status.ERROR
-            else:
-                self._end_writes(keys, writes, ok=True)
-                for i, _ in writes:
-                    out[i] = Status.OK
+                writes = self._begin_writes("put", keys, [i for i in todo if out[i] is None], out)
+        self._write(
+            "put", keys, writes, out,
+            lambda slots, rows: self.arena.save_regions(slots, [regs[i] for i in rows], digest=self.verify),
+        )
         return self._finish("put", keys, out, first)
 
     def _finish(self, op: str, keys: list, out: list, first: dict, regs=None) -> list:
@@ -527,18 +529,31 @@ class EmbeddedStore(KVStore):
                 reads.append((i, slot))
         return reads
 
-    def _end_reads(self, keys: list, reads: list, ok, fits, op: str, out: list) -> None:
-        """Unpin; drop the values whose digest check failed (the next put rewrites them). A
-        value that does not ``fit`` its destination (length, group) is left for its readers."""
-        ok = ok.tolist()
+    def _read(self, op: str, keys: list, reads: list, out: list, fits, copy) -> None:
+        """Run ``copy(slots, rows)`` (which entries it copied) for the pinned ``reads`` outside
+        the lock, then unpin. A value whose digest check failed is dropped (the next put
+        rewrites it); one that does not ``fit`` its destination (length, group) is left for its
+        readers. Never raised at run time: an exception fails every read."""
+        if not reads:
+            return
+        rows, slots = [i for i, _ in reads], np.array([s for _, s in reads], dtype=np.int64)
+        try:
+            ok = copy(slots, rows).tolist()
+        except Exception as e:
+            self._note(op, Status.ERROR, 0, repr(e))
+            with self._lock:
+                self._index.unpin(slots.tolist())
+            for i in rows:
+                out[i] = Status.ERROR
+            return
         with self._lock:
-            self._index.unpin([slot for _, slot in reads])
+            self._index.unpin(slots.tolist())
             if not all(ok):
-                self._index.drop_slots([slot for (_, slot), good, fit in zip(reads, ok, fits) if fit and not good])
-        for (i, _), good in zip(reads, ok):
+                self._index.drop_slots([int(s) for s, good, fit in zip(slots, ok, fits) if fit and not good])
+        for i, good in zip(rows, ok):
             out[i] = Status.OK if good else Status.CORRUPT
         if not all(ok):
-            first_bad = keys[reads[ok.index(False)][0]]
+            first_bad = keys[rows[ok.index(False)]]
             self._note(op, Status.CORRUPT, 0, f"{first_bad!r}: payload hash, length or group mismatch")
 
     def get(self, keys, buffers):
@@ -552,18 +567,10 @@ class EmbeddedStore(KVStore):
         if reads:
             slots = np.array([s for _, s in reads], dtype=np.int64)
             fits = self.arena.lengths[slots] == np.array([totals[i] for i, _ in reads], dtype=np.uint64)
-            try:
-                ok = self.arena.load_regions(slots, [regs[i] for i, _ in reads], verify=self.verify)
-            except Exception as e:  # never raise at run time: these gets failed
-                self._note("get", Status.ERROR, 0, repr(e))
-                ok = None
-            if ok is None:
-                with self._lock:
-                    self._index.unpin([slot for _, slot in reads])
-                for i, _ in reads:
-                    out[i] = Status.ERROR
-            else:
-                self._end_reads(keys, reads, ok, fits, "get", out)
+            self._read(
+                "get", keys, reads, out, fits,
+                lambda slots, rows: self.arena.load_regions(slots, [regs[i] for i in rows], verify=self.verify),
+            )
         return self._finish("get", keys, out, first, regs)
 
     # -- blocks straight between the KV cache and the slots (bound to a layout) --
@@ -581,21 +588,11 @@ class EmbeddedStore(KVStore):
                 self._note("put", status, 0, why)
                 return self._finish("put", keys, [status] * len(keys), first)
             writes = self._begin_writes("put", keys, uniq, out)
-        if writes:
-            rows = [i for i, _ in writes]
-            try:
-                self.arena.save(
-                    [s for _, s in writes], np.asarray(groups)[rows], np.asarray(block_ids)[rows], digest=self.verify
-                )
-            except Exception as e:
-                self._note("put", Status.ERROR, 0, repr(e))
-                self._end_writes(keys, writes, ok=False)
-                for i in rows:
-                    out[i] = Status.ERROR
-            else:
-                self._end_writes(keys, writes, ok=True)
-                for i in rows:
-                    out[i] = Status.OK
+        groups, block_ids = np.asarray(groups), np.asarray(block_ids)
+        self._write(
+            "put", keys, writes, out,
+            lambda slots, rows: self.arena.save(slots, groups[rows], block_ids[rows], digest=self.verify),
+        )
         return self._finish("put", keys, out, first)
 
     def load_blocks(self, keys, groups, block_ids) -> list:
@@ -610,19 +607,13 @@ class EmbeddedStore(KVStore):
                 return self._finish("get", keys, [Status.INVALID] * len(keys), {})
             reads = self._pin(keys, list(range(len(keys))), out)  # pins count per destination
         if reads:
+            groups, block_ids = np.asarray(groups), np.asarray(block_ids)
             rows = [i for i, _ in reads]
-            slots, groups = np.array([s for _, s in reads], dtype=np.int64), np.asarray(groups)[rows]
-            fits = self.arena.slot_group[slots] == groups
-            try:
-                ok = self.arena.load(slots, groups, np.asarray(block_ids)[rows], verify=self.verify)
-            except Exception as e:
-                self._note("get", Status.ERROR, 0, repr(e))
-                with self._lock:
-                    self._index.unpin([slot for _, slot in reads])
-                for i in rows:
-                    out[i] = Status.ERROR
-            else:
-                self._end_reads(keys, reads, ok, fits, "get", out)
+            fits = self.arena.slot_group[[s for _, s in reads]] == groups[rows]
+            self._read(
+                "get", keys, reads, out, fits,
+                lambda slots, rows: self.arena.load(slots, groups[rows], block_ids[rows], verify=self.verify),
+            )
         return self._finish("get", keys, out, {})
 
     # -- housekeeping --

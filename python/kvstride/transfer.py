@@ -183,6 +183,7 @@ class Transfer:
         self._wide: dict = {}
         # Per group: per piece, (view over all blocks as (num_blocks, size/w), dtype, w)
         self._views = [[self._piece_view(p, g.num_blocks) for p in g.pieces] for g in layout.groups]
+        self._pieces = [layout.piece_addresses(g) for g in range(len(layout.groups))]  # for the CPU copies
         self._pool_views: dict = {}
 
     def _flat(self, storage: int, dtype, w: int) -> torch.Tensor:
@@ -282,15 +283,12 @@ class Transfer:
             if not len(keep):
                 continue
             ids = run.ids.numpy()[keep].astype(np.uint64)
-            pieces = self.layout.groups[run.group].pieces
-            base = np.array([self.layout.storages[p.storage].data_ptr() + p.offset for p in pieces], dtype=np.uint64)
-            stride = np.array([p.stride for p in pieces], dtype=np.uint64)
-            size = np.array([p.size for p in pieces], dtype=np.uint64)
+            base, stride, size = self._pieces[run.group]
             staged = np.uint64(self.pool.ptr) + np.array(run.piece_offs, dtype=np.uint64)
             kv.append((base[None, :] + ids[:, None] * stride[None, :]).ravel())
             pool.append((staged[None, :] + keep.astype(np.uint64)[:, None] * size[None, :]).ravel())
-            length.append(np.broadcast_to(size, (len(keep), len(pieces))).ravel())
-            counts.append(np.full(len(keep), len(pieces), dtype=np.uint64))
+            length.append(np.broadcast_to(size, (len(keep), len(size))).ravel())
+            counts.append(np.full(len(keep), len(size), dtype=np.uint64))
             order.append(np.asarray(run.rows, dtype=np.int64)[keep])
         if not kv:
             return None
