@@ -1,21 +1,28 @@
-"""Boot-time checks for the vLLM connector: can a store shared across engines ever hit?
+"""Boot-time checks for the vLLM connector: can a store shared across engines hit?
 
 kvstride keys stored blocks by vLLM's request block hashes. A store that several engines (or
 restarts of one engine) share serves a hit only if every engine computes the same hash for the
-same tokens. In vLLM 0.32 two settings break that:
+same tokens. Two settings decide that:
 
 - **The seed of the hash chain.** Every request's first block hashes with ``NONE_HASH`` as its
   parent. ``init_none_hash`` (``vllm/v1/core/kv_cache_utils.py``, called once in the
   ``EngineCore`` process with ``get_hash_fn_by_name(cache_config.prefix_caching_hash_algo)``)
   derives it from ``resolve_none_hash_seed``: ``$PYTHONHASHSEED`` when set (the string itself,
   any value); otherwise the fixed ``"vllm-none-hash"`` for ``sha256`` / ``sha256_cbor``, but 32
-  random bytes per process for the non-cryptographic ``xxhash`` / ``xxhash_cbor``. vLLM releases
-  without ``resolve_none_hash_seed`` used random bytes for every algorithm unless
+  random bytes per process for the algorithms in ``_NON_CRYPTO_HASH_FUNCTIONS``: ``xxhash`` and
+  ``xxhash_cbor`` (vLLM 0.32 and 0.33, the same code). Such an engine never hits what another
+  engine stored, nor what it stored itself before a restart: **refused** (``ValueError``). vLLM
+  releases without ``resolve_none_hash_seed`` used random bytes for every algorithm unless
   ``PYTHONHASHSEED`` was set, and are treated that way here.
-- **Pickle.** ``sha256`` (vLLM's default) and ``xxhash`` hash ``pickle.dumps`` of Python
-  objects, whose bytes depend on the Python and vLLM versions and on object identity (pickle's
-  memo). ``sha256_cbor`` / ``xxhash_cbor`` hash canonical CBOR, which is reproducible across
-  processes, versions and languages.
+- **Pickle.** ``sha256`` (vLLM's default) and ``xxhash`` hash ``pickle.dumps`` of the block's
+  ``(parent hash, token ids, extra keys)``. Engines of the same vLLM and Python version produce
+  the same bytes, so they share a store, as vLLM's own ``MooncakeStoreConnector`` does; but
+  pickle's bytes are not promised stable across Python or vLLM versions (and its memo makes
+  them depend on object identity: two equal strings in one block's extra keys pickle
+  differently when they are one object), so engines on different versions may simply miss.
+  A miss costs a recompute, never wrong KV: **allowed, with one warning per process** that
+  names ``--prefix-caching-hash-algo sha256_cbor`` (canonical CBOR, reproducible across
+  processes, versions and languages) as the fix.
 
 Processes: only the ``EngineCore`` process hashes; its workers (TP ranks, ``mp`` or Ray
 executors) get the hashes from the scheduler, so one engine is always consistent with itself.
@@ -29,13 +36,40 @@ Data-parallel ranks are separate ``EngineCore`` processes: they count as several
 
 from __future__ import annotations
 
+import logging
 import os
-from typing import List
+import threading
+from typing import List, Optional
 
-__all__ = ["check_reproducible_hashes", "hash_reproducibility_problems", "PICKLE_HASH_ALGOS"]
+__all__ = [
+    "check_reproducible_hashes",
+    "hash_reproducibility_problems",
+    "hash_portability_warning",
+    "PICKLE_HASH_ALGOS",
+    "PORTABLE_HASH_ALGO",
+]
 
-#: vLLM's pickle-based prefix-caching hash algorithms -> the CBOR one to use instead.
+log = logging.getLogger("kvstride.vllm")
+
+#: vLLM's pickle-based prefix-caching hash algorithms -> their CBOR counterpart.
 PICKLE_HASH_ALGOS = {"sha256": "sha256_cbor", "xxhash": "xxhash_cbor"}
+
+#: The algorithm that hashes the same across engines, versions and ``PYTHONHASHSEED``-less
+#: processes: canonical CBOR, and a fixed NONE_HASH seed when ``PYTHONHASHSEED`` is unset.
+PORTABLE_HASH_ALGO = "sha256_cbor"
+
+_FIX = (
+    f"--prefix-caching-hash-algo {PORTABLE_HASH_ALGO} "
+    f"(or CacheConfig(prefix_caching_hash_algo={PORTABLE_HASH_ALGO!r}))"
+)
+
+_warned = False
+_warned_lock = threading.Lock()
+
+
+def _algo(vllm_config) -> str:
+    cache = getattr(vllm_config, "cache_config", None)
+    return str(getattr(cache, "prefix_caching_hash_algo", None) or "sha256")
 
 
 def _none_hash_seed_is_random(algo: str) -> bool:
@@ -52,33 +86,43 @@ def _none_hash_seed_is_random(algo: str) -> bool:
 
 
 def hash_reproducibility_problems(vllm_config) -> List[str]:
-    """Why two engines with this config (and this process's environment) would compute
-    different block hashes for the same tokens, one sentence with its fix each; empty if they
-    would not."""
-    cache = getattr(vllm_config, "cache_config", None)
-    algo = str(getattr(cache, "prefix_caching_hash_algo", None) or "sha256")
-    problems = []
-    if algo in PICKLE_HASH_ALGOS:
-        fix = PICKLE_HASH_ALGOS[algo]
-        problems.append(
-            f"prefix_caching_hash_algo={algo!r} pickles Python objects before hashing (its block hashes "
-            "depend on object identity and on the Python and vLLM versions), so they are not reproducible "
-            f"across engines: use {fix!r} (--prefix-caching-hash-algo {fix}, or CacheConfig(prefix_caching_hash_algo={fix!r}))"
-        )
-    if _none_hash_seed_is_random(algo):
-        problems.append(
-            f"PYTHONHASHSEED is not set, so vLLM seeds its block hashes (NONE_HASH) with random bytes "
-            f"in every process for prefix_caching_hash_algo={algo!r}: set PYTHONHASHSEED=0 (any fixed "
-            "value, the same for every engine) in the environment of every vLLM process"
-        )
-    return problems
+    """Why two engines with this config (and this process's environment) could never compute
+    the same block hashes for the same tokens, one sentence with its fix each; empty if they
+    can (see :func:`hash_portability_warning` for when they still might not)."""
+    algo = _algo(vllm_config)
+    if not _none_hash_seed_is_random(algo):
+        return []
+    return [
+        f"PYTHONHASHSEED is not set, so vLLM seeds its block hashes (NONE_HASH) with random bytes "
+        f"in every process for prefix_caching_hash_algo={algo!r}: set PYTHONHASHSEED=0 (any fixed "
+        "value, the same for every engine) in the environment of every vLLM process, or use "
+        f"{_FIX}, whose seed is fixed"
+    ]
+
+
+def hash_portability_warning(vllm_config) -> Optional[str]:
+    """When engines that share a store with this config would still miss each other (a
+    pickle-based algorithm: engines on other vLLM or Python versions), with the fix; ``None``
+    for the CBOR algorithms."""
+    algo = _algo(vllm_config)
+    if algo not in PICKLE_HASH_ALGOS:
+        return None
+    return (
+        f"kvstride: prefix_caching_hash_algo={algo!r} pickles Python objects before hashing. Engines "
+        "sharing this store hit each other only if they run the same vLLM and Python version (and "
+        "the same PYTHONHASHSEED, or none): pickle's bytes are not stable across versions, so an "
+        "engine on another vLLM or Python version computes other block hashes and misses (a "
+        f"recompute, never wrong KV). To share across versions use {_FIX} on every engine."
+    )
 
 
 def check_reproducible_hashes(vllm_config, shared: bool) -> None:
-    """Raise ``ValueError`` if ``shared`` (the store outlives this engine or is used by other
-    engines) and vLLM's block hashes under ``vllm_config`` and ``os.environ`` are not
-    reproducible across engines, naming each offending setting and its fix. Says nothing
-    otherwise: within one engine the hashes always agree."""
+    """For a ``shared`` store (it outlives this engine or other engines use it): raise
+    ``ValueError`` if vLLM's block hashes under ``vllm_config`` and ``os.environ`` could never
+    match another engine's (a random NONE_HASH seed), naming the setting and its fix; otherwise
+    log :func:`hash_portability_warning`, if any, once per process. Says nothing when not
+    ``shared``: within one engine the hashes always agree."""
+    global _warned
     if not shared:
         return
     problems = hash_reproducibility_problems(vllm_config)
@@ -87,3 +131,11 @@ def check_reproducible_hashes(vllm_config, shared: bool) -> None:
             "kvstride: the store is shared across engines, but vLLM's block hashes would differ "
             "between them, so it would never hit: " + "; and ".join(problems)
         )
+    warning = hash_portability_warning(vllm_config)
+    if warning is None:
+        return
+    with _warned_lock:
+        if _warned:
+            return
+        _warned = True
+    log.warning("%s", warning)
