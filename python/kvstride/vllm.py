@@ -33,7 +33,11 @@ Saves copy their blocks out of the KV cache within the step that computed them (
 guarantees a hand-off block or a block leaving a sliding window only until the end of that
 step: ``single_type_kv_cache_manager.py``, ``pop_blocks_for_free``); the store puts run later
 on the engine's save lane, so no step waits for another request's saves and a finished
-request's blocks are free at once. Mamba ``align`` state is stored only from vLLM's
+request's blocks are free at once. A step in which vLLM runs no forward calls no
+``wait_for_save``; its saves (finished tails, arena jobs) run in ``get_finished`` instead.
+Save plans read vLLM's block tables as they are in the step (``kv_connector_block_state``),
+where a block that left a sliding window is already the null block: a save that lags behind
+never reads a freed block. Mamba ``align`` state is stored only from vLLM's
 boundary-state hand-offs (``kv_connector_block_state.boundary_state_offloads`` each step, and
 ``register_finished_partial_tail`` at a request's end, whose blocks vLLM keeps until
 ``finished_sending``), never read positionally from a block table vLLM mutates in place.
@@ -80,16 +84,38 @@ log = logging.getLogger("kvstride.vllm")
 # ---- stores shared by the connectors of one process ------------------------------------
 
 _STORES: Dict[Tuple[str, bytes], KVStore] = {}
+_STORE_USERS: Dict[Tuple[str, bytes], int] = {}  # connectors holding each store
 _STORES_LOCK = threading.Lock()
 
 
 def shared_store(name: str, fingerprint: bytes, factory) -> KVStore:
-    """The process-wide store for ``(name, fingerprint)``, made by ``factory()`` once."""
+    """The process-wide store for ``(name, fingerprint)``, made by ``factory()`` once; each
+    call holds a reference until :func:`release_shared_store`."""
     with _STORES_LOCK:
-        store = _STORES.get((name, fingerprint))
+        key = (name, fingerprint)
+        store = _STORES.get(key)
         if store is None:
-            store = _STORES[(name, fingerprint)] = factory()
+            store = _STORES[key] = factory()
+            _STORE_USERS[key] = 0
+        _STORE_USERS[key] += 1
         return store
+
+
+def release_shared_store(store: KVStore) -> None:
+    """Drop one reference to a shared store; the last one closes it (its client, segment
+    and buffer registrations go with it)."""
+    with _STORES_LOCK:
+        key = next((k for k, s in _STORES.items() if s is store), None)
+        if key is None:
+            return
+        _STORE_USERS[key] -= 1
+        if _STORE_USERS[key] > 0:
+            return
+        del _STORES[key], _STORE_USERS[key]
+    try:
+        store.close()
+    except Exception as err:
+        log.warning("kvstride: closing the store failed: %r", err)
 
 
 def drop_shared_stores() -> None:
@@ -97,6 +123,7 @@ def drop_shared_stores() -> None:
     with _STORES_LOCK:
         stores = list(_STORES.values())
         _STORES.clear()
+        _STORE_USERS.clear()
     for store in stores:
         try:
             store.close()
@@ -116,7 +143,7 @@ def group_specs(kv_cache_config, vllm_config) -> List[kvstride.GroupSpec]:
     for g, group in enumerate(kv_cache_config.kv_cache_groups):
         spec = group.kv_cache_spec
         bs = int(spec.block_size)
-        heads = getattr(spec, "num_kv_heads", None)
+        heads = _total_kv_heads(spec, vllm_config)
         if isinstance(spec, kci.CircularBufferSpec):
             out.append(kvstride.GroupSpec("circular_buffer", bs))
         elif isinstance(spec, kci.SlidingWindowSpec):  # incl. SlidingWindowMLASpec
@@ -135,6 +162,45 @@ def group_specs(kv_cache_config, vllm_config) -> List[kvstride.GroupSpec]:
                 "supported: full attention, MLA, sliding window, chunked local, Mamba, circular buffer"
             )
     return out
+
+
+def _total_kv_heads(spec, vllm_config) -> Optional[int]:
+    """The model's KV heads of a group (SEMANTICS §3 replicates keys over ``tp_size //
+    heads``). vLLM's spec holds one rank's share, ``max(1, total // tp)``: with fewer heads
+    than ranks that is 1 on every rank, so the total comes from the model config."""
+    per_rank = getattr(spec, "num_kv_heads", None)
+    if per_rank is None:
+        return None
+    tp = max(1, int(getattr(vllm_config.parallel_config, "tensor_parallel_size", 1) or 1))
+    try:
+        total = int(vllm_config.model_config.get_total_num_kv_heads())
+    except Exception:
+        total = None
+    if total is not None and max(1, total // tp) == int(per_rank):
+        return total
+    return int(per_rank) * tp  # a group whose heads differ from the model's: its own share
+
+
+def _refuse_unsupported_parallelism(parallel_config) -> None:
+    """Pipeline and context parallelism shard the KV cache in ways the keys do not name yet:
+    refused rather than stored under keys another shard would read."""
+    for setting in ("pipeline_parallel_size", "prefill_context_parallel_size", "decode_context_parallel_size"):
+        value = int(getattr(parallel_config, setting, 1) or 1)
+        if value > 1:
+            raise ValueError(
+                f"kvstride does not support {setting}={value} yet (its KV shards would be keyed as "
+                f"one); run with {setting}=1, or without the KVStrideConnector"
+            )
+
+
+def _tp_rank(parallel_config, tp_size: int) -> int:
+    """This worker's tensor-parallel rank."""
+    try:
+        from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+        return int(get_tensor_model_parallel_rank())
+    except Exception:  # no model-parallel group (a worker built outside vLLM's launcher)
+        return int(getattr(parallel_config, "rank", 0) or 0) % tp_size
 
 
 def _fingerprint(vllm_config, kv_cache_config, groups) -> str:
@@ -206,8 +272,15 @@ class _ArenaSaveJob:
     states: list
     ends: List[int]
     failed: set  # req ids whose save is already known to be incomplete
+    step: int  # the scheduler step that planned it
     ok: int = 0  # ranks that wrote every slot
     bad: int = 0  # ranks that failed
+
+
+#: Scheduler steps after which an arena save job that no rank reported is abandoned. Every
+#: rank reports in the step that ran the copy (vLLM returns it with that step's output), so
+#: this bounds only jobs whose report was lost.
+ABANDON_AFTER_STEPS = 64
 
 
 def arena_slot_bytes(kv_cache_config) -> int:
@@ -217,12 +290,6 @@ def arena_slot_bytes(kv_cache_config) -> int:
         int(g.kv_cache_spec.page_size_bytes) * len(g.layer_names) for g in kv_cache_config.kv_cache_groups
     ]
     return max(sizes)
-
-
-@dataclass
-class _SchedReq:
-    request: Any
-    block_ids: List[List[int]] = field(default_factory=list)
 
 
 class KVStrideConnector(KVConnectorBase_V1, SupportsHMA):
@@ -246,15 +313,24 @@ class KVStrideConnector(KVConnectorBase_V1, SupportsHMA):
         fp = _fingerprint(vllm_config, kv_cache_config, groups)
         self.fingerprint = fp
         pc = vllm_config.parallel_config
+        _refuse_unsupported_parallelism(pc)
+        # The embedded store is the arena: the scheduler's index, the workers' slots.
+        self.arena_mode = str(extra.get("store", "embedded")) == "embedded"
+        # Keys per TP rank (SEMANTICS §3). The arena's keys never leave the scheduler's index
+        # and every rank writes its own shard into the same slot, so it keys as one rank; a
+        # Mooncake store is shared by every rank, so each keys (and stripes) its own heads, and
+        # the scheduler looks up in every rank's namespace.
+        tp_size = 1 if self.arena_mode else max(1, int(getattr(pc, "tensor_parallel_size", 1) or 1))
+        tp_rank = _tp_rank(pc, tp_size) if role == KVConnectorRole.WORKER else 0
         namespace = kvstride.Namespace(
             str(extra.get("model_id") or vllm_config.model_config.model),
             cache_prefix=extra.get("cache_prefix"),
             fingerprint=fp,
-            tp_rank=int(getattr(pc, "rank", 0) or 0) % max(1, int(getattr(pc, "tensor_parallel_size", 1) or 1)),
+            tp_rank=tp_rank,
         )
-        self.planner = kvstride.KeyPlanner(groups, hash_block_size=H, scheduler_block_size=S, namespace=namespace)
-        # The embedded store is the arena: the scheduler's index, the workers' slots.
-        self.arena_mode = str(extra.get("store", "embedded")) == "embedded"
+        self.planner = kvstride.KeyPlanner(
+            groups, hash_block_size=H, scheduler_block_size=S, namespace=namespace, tp_size=tp_size, tp_rank=tp_rank
+        )
         if self.arena_mode:
             self.store = None
             self.num_slots = slots_for(int(extra.get("store_bytes", 1 << 30)), arena_slot_bytes(kv_cache_config))
@@ -269,16 +345,15 @@ class KVStrideConnector(KVConnectorBase_V1, SupportsHMA):
         self._load_pins: Dict[str, List[int]] = {}  # req id -> slots pinned for its load
         self._arena_jobs: Dict[int, _ArenaSaveJob] = {}
         self._next_job = 0
+        self._step = 0  # scheduler steps (build_connector_meta calls)
         # worker side, arena
         self.arena: Optional[HostArena] = None
-        self._arena_counters: collections.Counter = collections.Counter()
-        self._arena_seconds: collections.Counter = collections.Counter()
         self._arena_loader: Optional[ThreadPoolExecutor] = None
-        self._arena_inflight: Dict[str, Future] = {}
+        self._arena_inflight: Dict[str, Tuple[Future, ArenaCopy]] = {}
         self._arena_reports: Dict[int, List[int]] = {}
         self._corrupt_slots: List[int] = []
         # scheduler side
-        self._sreqs: Dict[str, _SchedReq] = {}
+        self._requests: Dict[str, Any] = {}  # req id -> vLLM's Request, while it runs
         self._local: Dict[str, int] = {}
         self._pending_loads: Dict[str, LoadRequest] = {}
         self._loading: set = set()  # req ids whose asynchronous load is in flight
@@ -286,9 +361,17 @@ class KVStrideConnector(KVConnectorBase_V1, SupportsHMA):
         self._recompute: set = set()  # req ids whose load failed: no hit is claimed for them again
         self._finished_tails: Dict[str, tuple] = {}  # req id -> (hashes, tables, hand-offs)
         # worker side
+        self._saved_meta: Optional[KVStrideMetadata] = None  # the last metadata whose saves ran
         self._tails_staged: set = set()  # finished requests whose tail saves left their blocks
         self._finished_seen: set = set()  # finished req ids vLLM named, not yet reported
-        self._load_failed: set = set()  # loads that never reached the engine
+        self._recv_done: set = set()  # loads completed, not yet reported to vLLM
+        self._load_failed: set = set()  # loads failed, not yet reported to vLLM
+        # The connector's own outcomes (the engine counts its own); the step thread and the
+        # arena loader's results both land here, under the lock.
+        self._counters: collections.Counter = collections.Counter()
+        self._seconds: collections.Counter = collections.Counter()
+        self._counters_lock = threading.Lock()
+        self._logged: set = set()
         self._stats_last: dict = {}  # the engine counters last reported to vLLM
         self.matched_tokens = 0  # external tokens reported to vLLM (scheduler side)
         self._mooncake_reset_logged = False
@@ -318,19 +401,40 @@ class KVStrideConnector(KVConnectorBase_V1, SupportsHMA):
 
     # ---- stats (both roles: lookups count on the scheduler, transfers on the workers) ---------
 
+    def count(self, name: str, n: int = 1) -> None:
+        with self._counters_lock:
+            self._counters[name] += n
+
+    def _add_seconds(self, operation: str, seconds: float) -> None:
+        with self._counters_lock:
+            self._seconds[operation] += seconds
+
+    def _log_once(self, what: str, message: str, *args) -> None:
+        with self._counters_lock:
+            if what in self._logged:
+                return
+            self._logged.add(what)
+        log.warning(message, *args)
+
     @property
     def counters(self) -> collections.Counter:
-        """What this side counted: its engine's counters, or the worker's arena copies."""
-        if self.arena is not None:
-            return self._arena_counters
-        return self.engine.counters if self.engine is not None else collections.Counter()
+        """What this side counted: the connector's outcomes plus its engine's."""
+        with self._counters_lock:
+            out = collections.Counter(self._counters)
+        if self.engine is not None:
+            out.update(dict(self.engine.counters))
+        return out
 
     def get_kv_connector_stats(self) -> Optional[KVStrideStats]:
-        if self.arena is not None:
-            return stats_delta(self._arena_counters, self._arena_seconds, self._stats_last)
-        if self.engine is None:
+        try:
+            with self._counters_lock:
+                seconds = collections.Counter(self._seconds)
+            if self.engine is not None:
+                seconds.update(dict(self.engine.seconds))
+            return stats_delta(self.counters, seconds, self._stats_last)
+        except Exception as err:  # stats are never worth a failed step
+            self._log_once("stats", "kvstride stats failed: %r", err)
             return None
-        return stats_delta(self.engine.counters, self.engine.seconds, self._stats_last)
 
     @classmethod
     def build_kv_connector_stats(cls, data=None) -> KVStrideStats:
@@ -340,7 +444,15 @@ class KVStrideConnector(KVConnectorBase_V1, SupportsHMA):
     def build_prom_metrics(cls, vllm_config, metric_types, labelnames, per_engine_labelvalues):
         return KVStridePromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
+    @classmethod
+    def supports_sleep_mode(cls, kv_transfer_config) -> bool:
+        """vLLM 0.33's sleep mode frees and restores the KV caches under the connector's
+        registered views and in-flight copies: not supported."""
+        return False
+
     def shutdown(self) -> None:
+        """Stop the lanes and the loader (waiting for what runs), then let go of the store:
+        the last connector of the process that uses it closes it."""
         loader, self._arena_loader = self._arena_loader, None
         if loader is not None:
             loader.shutdown(wait=True)
@@ -350,6 +462,9 @@ class KVStrideConnector(KVConnectorBase_V1, SupportsHMA):
                 engine.shutdown()
             except Exception as err:
                 log.warning("kvstride engine shutdown failed: %r", err)
+        store, self.store = self.store, None
+        if store is not None:
+            release_shared_store(store)
 
     # ---- scheduler side ------------------------------------------------------------------
 
@@ -372,11 +487,10 @@ class KVStrideConnector(KVConnectorBase_V1, SupportsHMA):
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int):
         try:
             rid = request.request_id
-            # At least the last prompt token must be computed by vLLM.
-            limit = int(request.num_tokens) - 1
-            if self.engine is None or limit <= num_computed_tokens or rid in self._recompute:
+            if self.engine is None or rid in self._recompute:
                 return 0, False
-            hit = self.engine.lookup([(rid, list(request.block_hashes), limit)])[rid]
+            # The core keeps the last token for vLLM to compute (SEMANTICS §6).
+            hit = self.engine.lookup([(rid, list(request.block_hashes), int(request.num_tokens))])[rid]
             ext = max(0, int(hit) - int(num_computed_tokens))
             if ext:
                 self._local[rid] = int(num_computed_tokens)
@@ -405,22 +519,29 @@ class KVStrideConnector(KVConnectorBase_V1, SupportsHMA):
             self._loading.add(request.request_id)
 
     def update_connector_output(self, connector_output) -> None:
-        for rid in connector_output.finished_recving or ():
-            self._loading.discard(rid)
-            if self.index is not None:
-                self.index.unpin(self._load_pins.pop(rid, ()))
-        meta = getattr(connector_output, "kv_connector_worker_meta", None)
-        if isinstance(meta, KVStrideWorkerMetadata):
-            self._arena_saves_reported(meta.saves)
-            self.index.drop_slots(meta.corrupt_slots)
-        # vLLM asks again after a failed load; a store that failed once is not trusted for the
-        # same request (the retry could fail the same way, forever).
-        self._recompute.update(connector_output.failed_recving or ())
+        try:
+            for rid in connector_output.finished_recving or ():
+                self._loading.discard(rid)
+                if self.index is not None:
+                    self.index.unpin(self._load_pins.pop(rid, ()))
+            # vLLM asks again after a failed load; a store that failed once is not trusted for
+            # the same request (the retry could fail the same way, forever).
+            self._recompute.update(connector_output.failed_recving or ())
+            meta = getattr(connector_output, "kv_connector_worker_meta", None)
+            if isinstance(meta, KVStrideWorkerMetadata) and self.index is not None:
+                self.index.drop_slots(meta.corrupt_slots)
+                self._arena_saves_reported(meta.saves)
+        except Exception as err:  # never into vLLM's scheduler; stale jobs are abandoned later
+            self._log_once("connector-output", "kvstride update_connector_output failed: %r", err)
+            self.count("scheduler_errors")
 
     def on_new_request(self, request) -> None:
-        self._sreqs[request.request_id] = _SchedReq(request)
+        self._requests[request.request_id] = request
 
     def build_connector_meta(self, scheduler_output) -> KVStrideMetadata:
+        self._step += 1
+        if self.index is not None:
+            self._abandon_stale_jobs()
         meta = KVStrideMetadata(loads=list(self._pending_loads.values()), failed_loads=sorted(self._failed_allocs))
         self._pending_loads.clear()
         self._failed_allocs.clear()
@@ -470,7 +591,7 @@ class KVStrideConnector(KVConnectorBase_V1, SupportsHMA):
         if len(kept) < len(entries):
             self.engine.count("put_full", len(entries) - len(kept))
             failed.update(rid for (key, _, _), s in zip(entries, slots) if s is None for rid in owners[key])
-        job = _ArenaSaveJob([e[0] for e, _ in kept], owners, saves, states, ends, failed)
+        job = _ArenaSaveJob([e[0] for e, _ in kept], owners, saves, states, ends, failed, self._step)
         for save, state in zip(saves, states):
             if save.req_id in failed:
                 state.planned = state.offset  # the next step plans the missing blocks again
@@ -480,6 +601,17 @@ class KVStrideConnector(KVConnectorBase_V1, SupportsHMA):
         job_id = self._next_job = self._next_job + 1
         self._arena_jobs[job_id] = job
         meta.arena_saves[job_id] = ArenaCopy([s for _, s in kept], [e[1] for e, _ in kept], [e[2] for e, _ in kept])
+
+    def _abandon_stale_jobs(self) -> None:
+        """Arena save jobs no rank reported within ``ABANDON_AFTER_STEPS`` steps (a report lost
+        to a worker's error): their slots are freed and their saves count as failed."""
+        oldest = self._step - ABANDON_AFTER_STEPS
+        for job_id in [j for j, job in self._arena_jobs.items() if job.step < oldest]:
+            job = self._arena_jobs.pop(job_id)
+            self.index.abandon(job.keys)
+            self.engine.count("save_jobs_abandoned")
+            job.failed.update(rid for key in job.keys for rid in job.owners[key])
+            self._finish_arena_job(job, job.failed)
 
     def _arena_saves_reported(self, reports: Dict[int, List[int]]) -> None:
         for job_id, (ok, bad) in reports.items():
@@ -510,42 +642,25 @@ class KVStrideConnector(KVConnectorBase_V1, SupportsHMA):
                 self.engine.count("saves_ok")
 
     def _build_saves(self, so, meta: KVStrideMetadata) -> None:
-        for rid in so.preempted_req_ids or ():
-            st = self._sreqs.get(rid)
-            if st is not None:  # its blocks are gone; a resumed request starts a new table
-                st.block_ids = []
-            meta.preempted.append(rid)
-        computed: Dict[str, int] = {}
-        for new in so.scheduled_new_reqs:
-            st = self._sreqs.get(new.req_id)
-            if st is None:
-                continue
-            st.block_ids = [list(ids) for ids in new.block_ids]
-            computed[new.req_id] = int(new.num_computed_tokens)
+        meta.preempted.extend(so.preempted_req_ids or ())
+        computed: Dict[str, int] = {new.req_id: int(new.num_computed_tokens) for new in so.scheduled_new_reqs}
         cached = so.scheduled_cached_reqs
-        resumed = getattr(cached, "resumed_req_ids", set()) or set()
-        for i, rid in enumerate(cached.req_ids):
-            st = self._sreqs.get(rid)
-            if st is None:
-                continue
-            new_ids = cached.new_block_ids[i]
-            if rid in resumed:
-                st.block_ids = [list(ids) for ids in (new_ids or ())]
-            elif new_ids:
-                if not st.block_ids:
-                    st.block_ids = [[] for _ in new_ids]
-                for g, ids in enumerate(new_ids):
-                    st.block_ids[g].extend(ids)
-            computed[rid] = int(cached.num_computed_tokens[i])
+        computed.update((rid, int(n)) for rid, n in zip(cached.req_ids, cached.num_computed_tokens))
+        # vLLM's block tables as they are now: a sliding-window or chunked-local block that left
+        # the window is the null block (0) there, freed and maybe another request's, so no plan
+        # reads it, however far a failed save left the saved offset behind.
+        block_state = getattr(so, "kv_connector_block_state", None)
+        if block_state is None:
+            self._log_once("no-block-state", "kvstride: vLLM offers no kv_connector_block_state; nothing is saved")
+            return
         handoffs = self._boundary_handoffs(so)
         for rid, n in so.num_scheduled_tokens.items():
-            st = self._sreqs.get(rid)
-            if st is None or rid not in computed or not st.block_ids:
+            request = self._requests.get(rid)
+            tables = block_state.get_block_ids(rid)
+            if request is None or rid not in computed or tables is None or not request.block_hashes:
                 continue
-            hashes = list(st.request.block_hashes)
-            if not hashes:
-                continue
-            tables = [list(ids) for ids in st.block_ids]
+            hashes = list(request.block_hashes)
+            tables = [list(ids) for ids in tables]
             by_boundary = handoffs.pop(rid, [])
             first = by_boundary[0] if by_boundary else ()
             meta.saves.append(SaveRequest(rid, hashes, tables, computed[rid] + int(n), handoffs=first))
@@ -553,13 +668,12 @@ class KVStrideConnector(KVConnectorBase_V1, SupportsHMA):
             for entries in by_boundary[1:]:
                 meta.saves.append(SaveRequest(rid, hashes, tables, computed[rid] + int(n), handoffs=entries))
         # Hand-offs of requests not scheduled this step: their own saves, on vLLM's block tables.
-        block_state = getattr(so, "kv_connector_block_state", None)
         for rid, by_boundary in handoffs.items():
-            st = self._sreqs.get(rid)
-            tables = block_state.get_block_ids(rid) if block_state is not None else None
-            if st is None or tables is None or not st.request.block_hashes:
+            request = self._requests.get(rid)
+            tables = block_state.get_block_ids(rid)
+            if request is None or tables is None or not request.block_hashes:
                 continue
-            hashes = list(st.request.block_hashes)
+            hashes = list(request.block_hashes)
             tables = [list(ids) for ids in tables]
             for entries in by_boundary:
                 meta.saves.append(SaveRequest(rid, hashes, tables, int(entries[0][2]), handoffs=entries))
@@ -587,7 +701,7 @@ class KVStrideConnector(KVConnectorBase_V1, SupportsHMA):
         gone = set(so.preempted_req_ids or ()) | set(getattr(so, "finished_req_ids", ()) or ())
         out = {}
         for rid, entries in offloads.items():
-            if rid in gone or rid not in self._sreqs or not entries:
+            if rid in gone or rid not in self._requests or not entries:
                 continue
             out[rid] = self._split_by_boundary(entries)
         return out
@@ -597,9 +711,8 @@ class KVStrideConnector(KVConnectorBase_V1, SupportsHMA):
         until the worker's ``get_finished`` names the request)."""
         try:
             rid = request.request_id
-            st = self._sreqs.get(rid)
             hashes = list(request.block_hashes)
-            if st is None or not partial_tail_offloads or not hashes:
+            if rid not in self._requests or not partial_tail_offloads or not hashes:
                 return False
             self._finished_tails[rid] = (hashes, [list(ids) for ids in block_ids], list(partial_tail_offloads))
             return True
@@ -613,7 +726,7 @@ class KVStrideConnector(KVConnectorBase_V1, SupportsHMA):
         when the worker reports the load (``finished_recving``)."""
         rid = request.request_id
         self._local.pop(rid, None)
-        self._sreqs.pop(rid, None)
+        self._requests.pop(rid, None)
         self._recompute.discard(rid)
         if self.index is not None:
             self.engine.finish_request(rid)
@@ -643,24 +756,30 @@ class KVStrideConnector(KVConnectorBase_V1, SupportsHMA):
     def start_load_kv(self, forward_context, **kwargs) -> None:
         """Hand this step's loads to the load lane and return: vLLM keeps their requests
         waiting until ``get_finished`` reports them."""
+        meta = None
         try:
             meta = self._get_connector_metadata()
-        except Exception:
-            return
-        if not isinstance(meta, KVStrideMetadata):
-            return
+            if not isinstance(meta, KVStrideMetadata):
+                return
+            self._start_loads(meta)
+        except Exception as err:  # never into vLLM's step: every load of the step is recomputed
+            self._log_once("start-load", "kvstride: this step's loads failed, they are recomputed: %r", err)
+            self.count("load_job_errors")
+            if isinstance(meta, KVStrideMetadata):
+                self._load_failed.update(meta.failed_loads)
+                self._load_failed.update(load.req_id for load in meta.loads)
+                self._load_failed.update(rid for rid in meta.arena_loads if rid not in self._arena_inflight)
+
+    def _start_loads(self, meta: KVStrideMetadata) -> None:
         if meta.failed_loads:
             self._load_failed.update(meta.failed_loads)
-            if self.arena is not None:
-                self._arena_counters["loads_failed"] += len(meta.failed_loads)
-            elif self.engine is not None:
-                self.engine.count("loads_failed", len(meta.failed_loads))
+            self.count("loads_failed", len(meta.failed_loads))
         for rid, copy in meta.arena_loads.items():
             self._start_arena_load(rid, copy)
         if not meta.loads:
             return
         if self.engine is None:
-            log.warning("kvstride: no KV caches registered; %d loads are recomputed", len(meta.loads))
+            self._log_once("no-kv-caches", "kvstride: no KV caches registered (or shut down); loads are recomputed")
             self._load_failed.update(load.req_id for load in meta.loads)
             return
         self.engine.submit(loads=meta.loads)
@@ -676,54 +795,75 @@ class KVStrideConnector(KVConnectorBase_V1, SupportsHMA):
         them before ``submit`` returns); their store puts run on the save lane."""
         try:
             meta = self._get_connector_metadata()
-            if not isinstance(meta, KVStrideMetadata):
-                return
+        except Exception:
+            return
+        if isinstance(meta, KVStrideMetadata):
+            self._run_saves(meta)
+
+    def _run_saves(self, meta: KVStrideMetadata) -> None:
+        """This step's saves, once per metadata: from ``wait_for_save``, or from
+        ``get_transfer_results`` in a step without a forward, where vLLM does not call
+        ``wait_for_save`` (the step after the last request finished, or one whose requests all
+        wait for loads), and which may still carry finished tails and arena jobs."""
+        if meta is self._saved_meta:
+            return
+        self._saved_meta = meta
+        try:
             for job_id, copy in meta.arena_saves.items():
                 self._arena_save(job_id, copy)
-            self._tails_staged.update(meta.finished_tails)
-            if not meta.saves:
-                return
-            if self.engine is None:
-                raise RuntimeError("no KV caches registered")
-            self.engine.submit(saves=meta.saves)
+            if meta.saves:
+                if self.engine is None:
+                    raise RuntimeError("no KV caches registered")
+                self.engine.submit(saves=meta.saves)
         except Exception as err:
-            log.warning("kvstride: this step's saves were skipped: %r", err)
-            self._tails_staged.update(getattr(meta, "finished_tails", ()))
+            self._log_once("save-step", "kvstride: this step's saves were skipped: %r", err)
+            self.count("save_job_errors")
+        finally:  # a finished request's blocks are released whether or not its tail was stored
+            self._tails_staged.update(meta.finished_tails)
 
     def handle_preemptions(self, kv_connector_metadata) -> None:
         """Nothing to wait for: a save never reads a block after its step."""
-        for rid in getattr(kv_connector_metadata, "preempted", ()):
-            if self.engine is not None:
-                self.engine.finish_request(rid)
+        try:
+            for rid in getattr(kv_connector_metadata, "preempted", ()):
+                if self.engine is not None:
+                    self.engine.finish_request(rid)
+        except Exception as err:
+            self._log_once("preemptions", "kvstride handle_preemptions failed: %r", err)
 
     def get_transfer_results(self, finished_req_ids) -> KVConnectorTransferResults:
         """Loads done (failed ones also in ``failed_recving``: vLLM recomputes the request,
-        on every model), and finished requests whose tail saves no longer need their blocks."""
+        on every model), and finished requests whose tail saves no longer need their blocks.
+        Completions taken from the engine wait in ``_recv_done`` / ``_load_failed`` until they
+        are handed to vLLM, so none is lost to an error on the way."""
         results = KVConnectorTransferResults()
         try:
+            meta = self._get_connector_metadata() if self.has_connector_metadata() else None
+            if isinstance(meta, KVStrideMetadata):
+                self._run_saves(meta)
             self._finished_seen.update(finished_req_ids or ())
-            failed, self._load_failed = self._load_failed, set()
             if self.engine is not None:
                 got = self.engine.get_finished()
-                results.finished_recving.update(got.loads_done)
-                failed.update(got.loads_failed)
+                self._recv_done.update(got.loads_done)
+                self._load_failed.update(got.loads_failed)
             for rid, ok in self._arena_loads_done():
-                results.finished_recving.add(rid)
+                self._recv_done.add(rid)
                 if not ok:
-                    failed.add(rid)
-            results.finished_recving.update(failed)
-            results.failed_recving.update(failed)
-            ready = self._tails_staged & self._finished_seen
-            self._tails_staged -= ready
-            self._finished_seen -= ready
-            results.finished_sending.update(ready)
+                    self._load_failed.add(rid)
             for rid in finished_req_ids or ():
                 if self.engine is not None:
                     self.engine.finish_request(rid)
-            # Finished requests with nothing staged are never reported: forget them.
-            self._finished_seen &= self._tails_staged
         except Exception as err:
-            log.warning("kvstride get_finished failed: %r", err)
+            self._log_once("get-finished", "kvstride get_finished failed: %r", err)
+            self.count("worker_errors")
+        failed, self._load_failed = self._load_failed, set()
+        done, self._recv_done = self._recv_done | failed, set()
+        results.finished_recving.update(done)
+        results.failed_recving.update(failed)
+        ready = self._tails_staged & self._finished_seen
+        self._tails_staged -= ready
+        results.finished_sending.update(ready)
+        # Finished requests with nothing staged are never reported: forget them.
+        self._finished_seen &= self._tails_staged
         return results
 
     def get_finished(self, finished_req_ids):
@@ -739,47 +879,51 @@ class KVStrideConnector(KVConnectorBase_V1, SupportsHMA):
         try:
             self.arena.save(copy.slots, copy.groups, copy.block_ids)
             self._arena_reports[job_id] = [1, 0]
-            self._arena_counters["put_ok"] += len(copy.slots)
-            self._arena_counters["bytes_stored"] += int(self.arena.block_bytes[np.asarray(copy.groups)].sum())
+            self.count("put_ok", len(copy.slots))
+            self.count("bytes_stored", int(self.arena.block_bytes[np.asarray(copy.groups)].sum()))
         except Exception as err:
-            log.warning("kvstride: arena save job %d failed: %r", job_id, err)
+            self._log_once("arena-save", "kvstride: arena save job %d failed: %r", job_id, err)
             self._arena_reports[job_id] = [0, 1]
-            self._arena_counters["put_error"] += len(copy.slots)
-        self._arena_seconds["put"] += time.perf_counter() - start
+            self.count("put_error", len(copy.slots))
+        self._add_seconds("put", time.perf_counter() - start)
 
     def _start_arena_load(self, rid: str, copy: ArenaCopy) -> None:
-        if copy.failed or self.arena is None:
+        if copy.failed or self.arena is None or self._arena_loader is None:
             self._load_failed.add(rid)
-            self._arena_counters["loads_failed"] += 1
+            self.count("loads_failed")
             return
-        self._arena_inflight[rid] = self._arena_loader.submit(self._arena_load, copy)
+        self._arena_inflight[rid] = (self._arena_loader.submit(self._arena_load, copy), copy)
 
-    def _arena_load(self, copy: ArenaCopy) -> bool:
+    def _arena_load(self, copy: ArenaCopy) -> Tuple[np.ndarray, float]:
+        """On the loader thread: the copy alone. Its outcome travels back in the future's
+        result and is counted on the step thread (``_arena_loads_done``), so nothing here
+        touches state the step thread reads or swaps."""
         start = time.perf_counter()
         ok = self.arena.load(copy.slots, copy.groups, copy.block_ids)
-        self._arena_seconds["get"] += time.perf_counter() - start
-        self._corrupt_slots.extend(np.asarray(copy.slots)[~ok].tolist())
-        loaded = int(ok.sum())
-        self._arena_counters["get_ok"] += loaded
-        self._arena_counters["get_corrupt"] += len(ok) - loaded
-        self._arena_counters["bytes_loaded"] += int(self.arena.block_bytes[np.asarray(copy.groups)[ok]].sum())
-        return bool(ok.all())
+        return ok, time.perf_counter() - start
 
     def _arena_loads_done(self):
         """(req id, loaded completely) of every arena load that finished since the last call."""
-        for rid, future in list(self._arena_inflight.items()):
+        for rid, (future, copy) in list(self._arena_inflight.items()):
             if not future.done():
                 continue
             del self._arena_inflight[rid]
             try:
-                ok = future.result()
+                ok, seconds = future.result()
             except Exception as err:
-                log.warning("kvstride: arena load of %s failed, it is recomputed: %r", rid, err)
-                self._arena_counters["load_job_errors"] += 1
+                self._log_once("arena-load", "kvstride: arena load of %s failed, it is recomputed: %r", rid, err)
+                self.count("load_job_errors")
                 yield rid, False
                 continue
-            self._arena_counters["loads_ok" if ok else "loads_failed"] += 1
-            yield rid, ok
+            self._add_seconds("get", seconds)
+            slots, groups = np.asarray(copy.slots), np.asarray(copy.groups)
+            self._corrupt_slots.extend(slots[~ok].tolist())
+            loaded = int(ok.sum())
+            self.count("get_ok", loaded)
+            self.count("get_corrupt", len(ok) - loaded)
+            self.count("bytes_loaded", int(self.arena.block_bytes[groups[ok]].sum()))
+            self.count("loads_ok" if ok.all() else "loads_failed")
+            yield rid, bool(ok.all())
 
     def build_connector_worker_meta(self) -> Optional[KVStrideWorkerMetadata]:
         if not self._arena_reports and not self._corrupt_slots:
