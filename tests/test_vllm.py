@@ -65,7 +65,7 @@ def _connectors(llm):
 def _store_config(kind: str, master, name: str) -> dict:
     if kind == "embedded":
         return {"store": "embedded", "store_name": name}
-    return {"store": "mooncake", "mooncake_master": master.address, "store_name": name}
+    return {"store": "mooncake", "mooncake_master": master.address, "mooncake_local_hostname": "127.0.0.1", "store_name": name}
 
 
 def _run_with_connector(model_dirs, name, store, **observe):
