@@ -28,7 +28,8 @@ def fresh_master():
     try:
         yield m
     finally:
-        m.kill() if m.alive() else None
+        m.kill()  # no graceful stop needed: the test may have wedged it
+        m.stop()  # removes its log folder
 
 
 @pytest.fixture(scope="module")

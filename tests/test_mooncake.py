@@ -14,6 +14,7 @@ import torch
 
 import kvdata
 from kvstride.layout import KVLayout
+from kvstride.mooncake_config import resolve_client_config
 from kvstride.stores import MooncakeStore, Status, _free_port
 from kvstride.transfer import StagingPool, Transfer
 from mooncake_fixture import fresh_master, mooncake_master, mooncake_store  # noqa: F401
@@ -220,10 +221,10 @@ def test_two_processes_share_one_master(mooncake_master, mooncake_store):
 def test_dead_master_refused_fast_and_no_call_after_close(mooncake_master):
     t0 = time.monotonic()
     with pytest.raises(RuntimeError, match="not reachable"):
-        MooncakeStore(f"127.0.0.1:{_free_port()}")
+        MooncakeStore(f"127.0.0.1:{_free_port()}", segment_bytes=0)
     assert time.monotonic() - t0 < 5
     with pytest.raises(ValueError, match="host:port"):
-        MooncakeStore("nonsense")
+        MooncakeStore("nonsense", segment_bytes=0)
     s = MooncakeStore(mooncake_master, segment_bytes=0, fingerprint=FP)
     s.close()
     s.close()
@@ -233,3 +234,65 @@ def test_dead_master_refused_fast_and_no_call_after_close(mooncake_master):
     assert s.exists(["x"]) == [False]
     assert s.health() == 1 and s.client is None
     s.register_buffer(a.ctypes.data, a.nbytes)  # a no-op, not a segfault
+
+
+# ---- memory safety (review B12, C4) -------------------------------------------------------------
+
+
+def test_repeated_key_with_another_size_is_invalid(mooncake_store):
+    value = np.frombuffer(bytes(range(1, 9)), np.uint8).copy()
+    assert mooncake_store.put(["dupsize"], [[value]]) == [Status.OK]
+    small, large = np.zeros(8, np.uint8), np.full(4096, 0xEE, np.uint8)
+    assert mooncake_store.get(["dupsize", "dupsize"], [[small], [large]]) == [Status.OK, Status.INVALID]
+    assert (small == value).all() and (large == 0xEE).all()  # nothing read past the 8-byte value
+    digests = [0, 0]
+    assert mooncake_store.get(["dupsize", "dupsize"], [[large], [small]], digests_out=digests) == [
+        Status.CORRUPT, Status.INVALID,
+    ]
+
+
+def test_raw_addresses_need_a_registered_buffer(mooncake_master, mooncake_store):
+    # A client of its own: the shared one has registered other tests' buffers.
+    store = MooncakeStore(mooncake_master, segment_bytes=0, fingerprint=FP)  # the values live in mooncake_store's segment
+    try:
+        src, dst = np.arange(256, dtype=np.uint8), np.zeros(256, np.uint8)
+        raw_src, raw_dst = [(src.ctypes.data, 128), (src.ctypes.data + 128, 128)], [(dst.ctypes.data, 256)]
+        assert store.put(["rawaddr"], [raw_src]) == [Status.INVALID]
+        assert store.exists(["rawaddr"]) == [False]
+        store.register_buffer(src.ctypes.data, src.nbytes)
+        assert store.put(["rawaddr"], [raw_src]) == [Status.OK]
+        assert store.get(["rawaddr"], [raw_dst]) == [Status.INVALID] and not dst.any()
+        store.register_buffer(dst.ctypes.data, dst.nbytes)
+        assert store.get(["rawaddr"], [raw_dst]) == [Status.OK] and (dst == src).all()
+    finally:
+        store.close()
+
+
+# ---- the address a client with a segment advertises (issue 14 item 5) ---------------------------
+
+
+@pytest.mark.parametrize("how", ["extra", "env"])
+def test_client_with_a_segment_advertises_the_configured_host(mooncake_master, monkeypatch, how):
+    """127.0.0.2 / 127.0.0.3 are loopback too (all of 127/8), but no default would pick them."""
+    extra = {"mooncake_master": mooncake_master.address, "mooncake_segment_bytes": "16MB"}
+    if how == "extra":
+        extra["mooncake_local_hostname"], want = "127.0.0.2", "127.0.0.2"
+        monkeypatch.setenv("VLLM_HOST_IP", "127.0.0.3")  # the config key wins
+    else:
+        monkeypatch.setenv("VLLM_HOST_IP", "127.0.0.3")
+        want = "127.0.0.3"
+    store = MooncakeStore.from_config(resolve_client_config(extra), fingerprint=FP)
+    try:
+        assert store.client.get_hostname().rpartition(":")[0] == want
+        value = np.arange(1000, dtype=np.uint8)
+        assert store.put([f"host-{how}"], [[value]]) == [Status.OK]  # lives in this client's segment
+    finally:
+        store.close()
+
+
+def test_client_with_a_segment_and_no_host_is_refused(mooncake_master, monkeypatch):
+    monkeypatch.delenv("VLLM_HOST_IP", raising=False)
+    with pytest.raises(ValueError, match="set local_hostname or VLLM_HOST_IP"):
+        MooncakeStore(mooncake_master.address, segment_bytes=16 << 20, fingerprint=FP)
+    # A pure client serves nothing: no address needed.
+    MooncakeStore(mooncake_master.address, segment_bytes=0, fingerprint=FP).close()

@@ -49,7 +49,7 @@ def test_parse_size_rejects(text):
 
 
 def test_file_with_defaults(tmp_path):
-    env = _config_file(tmp_path, {"master_server_address": "127.0.0.1:50051", "local_hostname": "ignored"})
+    env = _config_file(tmp_path, {"master_server_address": "127.0.0.1:50051", "local_hostname": "10.0.0.7"})
     assert resolve_client_config(environ=env) == MooncakeClientConfig(
         master_server_address="127.0.0.1:50051",
         protocol="tcp",
@@ -57,6 +57,7 @@ def test_file_with_defaults(tmp_path):
         metadata_server="P2PHANDSHAKE",
         global_segment_size=DEFAULT_SEGMENT_BYTES,
         local_buffer_size=DEFAULT_LOCAL_BUFFER_BYTES,
+        local_hostname="10.0.0.7",  # vLLM's file carries it too
     )
 
 
@@ -93,8 +94,8 @@ def test_extra_config_overrides_the_file(tmp_path):
         "127.0.0.1:2222", "tcp", "eth7", "http://127.0.0.1:8080/metadata", 0, 32 << 20
     )
     # No file: the keys alone are enough.
-    cfg = resolve_client_config({"mooncake_master": "127.0.0.1:2222"}, environ={})
-    assert cfg == MooncakeClientConfig("127.0.0.1:2222")
+    cfg = resolve_client_config({"mooncake_master": "127.0.0.1:2222", "mooncake_local_hostname": "10.0.0.8"}, environ={})
+    assert cfg == MooncakeClientConfig("127.0.0.1:2222", local_hostname="10.0.0.8")
 
 
 def test_written_config_reads_back(tmp_path):

@@ -117,6 +117,7 @@ def test_eviction_between_exists_and_get_writes_nothing():
     bb = layout.groups[0].block_bytes
     s = EmbeddedStore(4 * bb, slot_bytes=bb)
     tr = Transfer(layout, StagingPool(4 << 20))
+    tr.pool.register(s.register_buffer)  # the staged parts are raw addresses into the pool
     src = [(0, b) for b in range(4)]
     keys = [f"e{b}" for b in range(4)]
     with tr.stage(src) as batch:
@@ -196,6 +197,7 @@ def test_parts_as_addresses_and_tensors():
     s = EmbeddedStore(1 << 20, slot_bytes=1024)
     t = torch.arange(100, dtype=torch.int32)
     a = np.arange(50, dtype=np.uint8)
+    s.register_buffer(a.ctypes.data, a.nbytes)
     assert s.put(["k"], [[t, (a.ctypes.data, a.nbytes)]]) == [Status.OK]
     t2, a2 = torch.zeros_like(t), np.zeros_like(a)
     assert s.get(["k"], [[t2, a2]]) == [Status.OK]
@@ -313,3 +315,87 @@ def test_embedded_resident_bytes_stay_within_the_budget():
     assert store.evictions > 0 and store.used <= budget
     grown = resident() - before
     assert grown <= budget * 1.01 + (8 << 20), grown  # + the interpreter's own noise
+
+
+# ---- memory safety: raw addresses, repeated keys (review B12, C4) -------------------------------
+
+
+def test_raw_addresses_only_inside_registered_buffers():
+    """A raw ``(address, nbytes)`` part names memory the store was handed (register_buffer);
+    anywhere else the whole call is INVALID and no byte is read or written."""
+    s = EmbeddedStore(1 << 20, slot_bytes=1024)
+    value = np.arange(64, dtype=np.uint8)
+    dst = np.zeros(64, np.uint8)
+    raw_put, raw_get = (value.ctypes.data, value.nbytes), (dst.ctypes.data, dst.nbytes)
+    assert s.put(["k"], [[raw_put]]) == [Status.INVALID]
+    assert s.put(["k", "j"], [[value], raw_put]) == [Status.INVALID] * 2  # the whole call
+    assert s.put(["k"], [[value]]) == [Status.OK]
+    assert s.get(["k"], [[raw_get]]) == [Status.INVALID] and not dst.any()
+    assert s.counters["put.invalid"] == 3 and s.counters["get.invalid"] == 1
+
+    s.register_buffer(value.ctypes.data, value.nbytes)
+    s.register_buffer(dst.ctypes.data, dst.nbytes)
+    assert s.put(["r"], [[raw_put]]) == [Status.OK]
+    assert s.get(["r"], [[raw_get]]) == [Status.OK] and (dst == value).all()
+    # One byte past a registered buffer, a negative size, an address below it: refused.
+    past, before = (dst.ctypes.data + 1, dst.nbytes), (dst.ctypes.data - 8, 8)
+    for bad in (past, (dst.ctypes.data, -1), before):
+        assert s.get(["r"], [[bad]]) == [Status.INVALID]
+    with pytest.raises(ValueError):
+        s.register_buffer(0, 64)
+
+
+def test_repeated_key_with_another_size_is_invalid():
+    """A key asked twice in one get is fetched once and copied to the second destination; a
+    second destination of another size than the value would read past it (and report OK)."""
+    s = EmbeddedStore(1 << 20, slot_bytes=1024)
+    value = np.frombuffer(bytes(range(1, 9)), np.uint8).copy()
+    assert s.put(["k"], [[value]]) == [Status.OK]
+    small, large, same = np.zeros(8, np.uint8), np.full(4096, 0xEE, np.uint8), np.zeros(8, np.uint8)
+    assert s.get(["k", "k", "k"], [[small], [large], [same]]) == [Status.OK, Status.INVALID, Status.OK]
+    assert (small == value).all() and (same == value).all()
+    assert (large == 0xEE).all()  # left as it was: no bytes from past the value
+    # The other way round: the first destination is the odd one, the value is read for it alone.
+    small[:] = 0
+    assert s.get(["k", "k"], [[large], [small]]) == [Status.CORRUPT, Status.INVALID]
+    assert not small.any()
+    # put: one key with two sizes in one call is refused for the later one.
+    assert s.put(["n", "n"], [[value], [np.zeros(16, np.uint8)]]) == [Status.OK, Status.INVALID]
+
+
+def test_counters_are_exact_under_threads(caplog):
+    """``_note`` runs on the caller's thread and the engine's lanes at once: no count is lost
+    and a status is logged once. The counter and the log-once set hand the GIL over between
+    their read and their write, as a thread switch there would."""
+    import collections
+    import threading
+    import time
+
+    class Yielding(collections.Counter):
+        def __getitem__(self, key):
+            value = super().__getitem__(key)
+            time.sleep(0)
+            return value
+
+    class YieldingSet(set):
+        def __contains__(self, item):
+            found = super().__contains__(item)
+            time.sleep(0)
+            return found
+
+    s = EmbeddedStore(1 << 20, slot_bytes=1024)
+    s.counters, s._logged = Yielding(), YieldingSet()
+    threads, per_thread = 8, 200
+
+    def work():
+        for _ in range(per_thread):
+            s._note("get", Status.MISSING)
+
+    with caplog.at_level("WARNING", logger="kvstride.stores"):
+        ts = [threading.Thread(target=work) for _ in range(threads)]
+        for t in ts:
+            t.start()
+        for t in ts:
+            t.join()
+    assert s.counters["get.missing"] == threads * per_thread
+    assert len([r for r in caplog.records if "missing" in r.getMessage()]) == 1

@@ -408,10 +408,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
     # Mooncake's C++ client logs every connection step at INFO; keep the command's output readable.
     os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
+    from kvstride.mooncake_config import MooncakeDependencyError
+
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
         return _run(parser, args)
+    except MooncakeDependencyError as err:  # what Mooncake needs and how to install it, no traceback
+        print(f"kvstride {args.command}: {err}", file=sys.stderr)
+        return 1
     except ModuleNotFoundError as err:
         module = (err.name or "").partition(".")[0]
         if module not in _CLI_EXTRA_MODULES:

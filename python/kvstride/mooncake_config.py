@@ -11,7 +11,13 @@ The JSON file named by ``MOONCAKE_CONFIG_PATH`` (the file vLLM's connector reads
 serve``) and outlive the engine.  Sizes are byte counts or strings such as "8GB", "512MB",
 "64M" (binary units).  The connector's ``kv_connector_extra_config`` keys ``mooncake_master``,
 ``mooncake_segment_bytes``, ``mooncake_local_buffer_bytes``, ``mooncake_protocol``,
-``mooncake_device`` and ``mooncake_metadata_server`` override the file.
+``mooncake_device``, ``mooncake_metadata_server`` and ``mooncake_local_hostname`` override the
+file.
+
+A client that contributes a segment (``global_segment_size`` > 0) tells the master where other
+clients reach it: ``local_hostname`` (file or ``mooncake_local_hostname``), else vLLM's
+``VLLM_HOST_IP``, else construction fails; it never advertises a loopback address it was not
+given.  A pure client serves nothing, so it needs none.
 """
 
 from __future__ import annotations
@@ -26,12 +32,17 @@ __all__ = [
     "CONFIG_PATH_ENV",
     "DEFAULT_SEGMENT_BYTES",
     "DEFAULT_LOCAL_BUFFER_BYTES",
+    "HOST_IP_ENV",
     "MooncakeClientConfig",
+    "MooncakeDependencyError",
+    "missing_library",
     "parse_size",
     "resolve_client_config",
+    "resolve_local_hostname",
 ]
 
 CONFIG_PATH_ENV = "MOONCAKE_CONFIG_PATH"
+HOST_IP_ENV = "VLLM_HOST_IP"  # vLLM's address of this host
 # kvstride moves bytes with the zero-copy calls, which bypass the local buffer; it only
 # stages the small bytes-API calls, so it stays far below vLLM's 4 GiB default.
 DEFAULT_SEGMENT_BYTES = 256 << 20
@@ -45,10 +56,35 @@ OVERRIDE_KEYS = {
     "mooncake_protocol": "protocol",
     "mooncake_device": "device_name",
     "mooncake_metadata_server": "metadata_server",
+    "mooncake_local_hostname": "local_hostname",
 }
 _MODES = ("embedded", "standalone-store")
 _UNITS = {None: 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*(?:([kmgt])(?:i?b)?|b)?\s*$", re.IGNORECASE)
+_WILDCARDS = ("0.0.0.0", "::", "[::]", "*")
+# The dynamic loader's words for a shared library it could not load (a process exits with 127;
+# Python's ImportError carries the same text).
+_LOADER_ERROR = re.compile(r"(?:^|[\s/])(lib[\w+.-]*?\.so(?:\.\d+)*): ([^\n]+)")
+# Libraries of Mooncake's wheel that the wheel does not bundle -> the Debian package with them.
+_DEBIAN_PACKAGES = {"libibverbs.so.1": "libibverbs1", "libnuma.so.1": "libnuma1", "libcurl.so.4": "libcurl4"}
+MOONCAKE_PIP = "pip install mooncake-transfer-engine-non-cuda"
+
+
+class MooncakeDependencyError(RuntimeError):
+    """Something Mooncake itself needs is missing; the message names it and how to install it."""
+
+
+def missing_library(text: str) -> Optional[str]:
+    """The fix for the first shared library the dynamic loader failed to load in ``text`` (a
+    ``mooncake_master`` log, an ``ImportError`` message), naming the library and the command
+    that installs it; None when ``text`` reports no such failure."""
+    match = _LOADER_ERROR.search(text)
+    if match is None:
+        return None
+    library, why = match.group(1), match.group(2).strip()
+    package = _DEBIAN_PACKAGES.get(library)
+    install = f"apt-get install {package}" if package else f"install the system package that provides {library}"
+    return f"Mooncake needs the shared library {library}, which the loader could not load ({why}): {install}"
 
 
 @dataclass(frozen=True)
@@ -61,6 +97,7 @@ class MooncakeClientConfig:
     metadata_server: str = "P2PHANDSHAKE"
     global_segment_size: int = DEFAULT_SEGMENT_BYTES
     local_buffer_size: int = DEFAULT_LOCAL_BUFFER_BYTES
+    local_hostname: Optional[str] = None  # the address this client advertises; None: a pure client's
 
     @property
     def mode(self) -> str:
@@ -69,7 +106,7 @@ class MooncakeClientConfig:
 
     def to_json(self) -> dict:
         """The ``MOONCAKE_CONFIG_PATH`` file contents (read by this module and by vLLM)."""
-        return {
+        settings = {
             "master_server_address": self.master_server_address,
             "protocol": self.protocol,
             "device_name": self.device_name,
@@ -78,6 +115,9 @@ class MooncakeClientConfig:
             "global_segment_size": self.global_segment_size,
             "local_buffer_size": self.local_buffer_size,
         }
+        if self.local_hostname is not None:
+            settings["local_hostname"] = self.local_hostname
+        return settings
 
 
 def parse_size(value: Any, name: str = "size") -> int:
@@ -93,6 +133,31 @@ def parse_size(value: Any, name: str = "size") -> int:
     if value < 0 or (isinstance(value, float) and not value.is_integer()):
         raise ValueError(f"{name} must be a whole, non-negative number of bytes, got {value!r}")
     return int(value)
+
+
+def resolve_local_hostname(
+    configured: Optional[str], segment_bytes: int, environ: Optional[Mapping[str, str]] = None, name: str = "local_hostname"
+) -> Optional[str]:
+    """The address a client advertises to the master: ``configured``, else ``$VLLM_HOST_IP``;
+    None for a pure client (``segment_bytes`` 0) with neither. A client with a segment and
+    neither is a ``ValueError``: other hosts would be told to reach its segment at an address
+    that is not theirs to reach."""
+    environ = os.environ if environ is None else environ
+    where = name
+    if configured is None and environ.get(HOST_IP_ENV):
+        configured, where = environ[HOST_IP_ENV], HOST_IP_ENV
+    if configured is None:
+        if segment_bytes == 0:
+            return None
+        raise ValueError(
+            f"this Mooncake client contributes a {segment_bytes}-byte segment, so it must advertise an address "
+            f"other clients can reach, and none is set: set {name} or {HOST_IP_ENV} to this host's IP, "
+            "or make it a pure client (segment 0) of a `kvstride store serve`"
+        )
+    host = _text(configured, where)
+    if host in _WILDCARDS:
+        raise ValueError(f"{where} {host!r} is a wildcard; other clients need this host's address (e.g. its IP)")
+    return host
 
 
 def _read_file(path: str) -> dict:
@@ -160,11 +225,19 @@ def resolve_client_config(
     local_buffer = parse_size(settings.get("local_buffer_size", DEFAULT_LOCAL_BUFFER_BYTES), names["local_buffer_size"])
     if local_buffer == 0:
         raise ValueError(f"{names['local_buffer_size']} must be > 0 (e.g. '16MB'); it stages the client's transfers")
+    protocol = _text(settings.get("protocol", "tcp"), names["protocol"])
+    device = _text(settings.get("device_name", ""), names["device_name"], allow_empty=True)
+    metadata_server = _text(settings.get("metadata_server", "P2PHANDSHAKE"), names["metadata_server"])
+    host = settings.get("local_hostname")
+    host_name = names["local_hostname"] if host is not None else (
+        f'kv_connector_extra_config["mooncake_local_hostname"] (or "local_hostname" in the {CONFIG_PATH_ENV} file)'
+    )
     return MooncakeClientConfig(
         master_server_address=master,
-        protocol=_text(settings.get("protocol", "tcp"), names["protocol"]),
-        device_name=_text(settings.get("device_name", ""), names["device_name"], allow_empty=True),
-        metadata_server=_text(settings.get("metadata_server", "P2PHANDSHAKE"), names["metadata_server"]),
+        protocol=protocol,
+        device_name=device,
+        metadata_server=metadata_server,
         global_segment_size=segment,
         local_buffer_size=local_buffer,
+        local_hostname=resolve_local_hostname(host, segment, environ, host_name),
     )

@@ -180,15 +180,22 @@ class Simulation:
             namespace=_core.Namespace("kvstride-simulate", fingerprint=fingerprint),
             dcp=cfg.dcp,
         )
-        self.master = None
-        self.store = self._open_store()
-        if isinstance(self.store, MooncakeStore):  # staging its buffers are registered from
-            pool = StagingPool(max(64 << 20, 4 * max(self.cache.layout.block_bytes(g) for g in range(len(groups)))))
-            pool.register(self.store.register_buffer)
-            transfer = Transfer(self.cache.layout, pool)
-        else:  # the embedded arena copies blocks itself
-            transfer = self.cache.layout
-        self.engine = OffloadEngine(self.planner, transfer, self.store)
+        self.master = self.store = None
+        try:
+            self.store = self._open_store()
+            if isinstance(self.store, MooncakeStore):  # staging its buffers are registered from
+                pool = StagingPool(max(64 << 20, 4 * max(self.cache.layout.block_bytes(g) for g in range(len(groups)))))
+                pool.register(self.store.register_buffer)
+                transfer = Transfer(self.cache.layout, pool)
+            else:  # the embedded arena copies blocks itself
+                transfer = self.cache.layout
+            self.engine = OffloadEngine(self.planner, transfer, self.store)
+        except BaseException:  # nothing closes a Simulation that failed to construct
+            if self.store is not None:
+                self.store.close()
+            if self.master is not None:
+                self.master.stop()
+            raise
         self.align_mamba = {
             g
             for g, spec in enumerate(groups)
@@ -210,7 +217,7 @@ class Simulation:
             return EmbeddedStore(cfg.store_bytes, fingerprint=fp)
         if cfg.store == "mooncake":
             self.master = start_master()
-            return MooncakeStore(self.master, segment_bytes=cfg.store_bytes, fingerprint=fp)
+            return MooncakeStore(self.master, segment_bytes=cfg.store_bytes, local_hostname=self.master.host, fingerprint=fp)
         if cfg.store.startswith("mooncake://"):
             return MooncakeStore(cfg.store[len("mooncake://"):], segment_bytes=cfg.store_bytes, fingerprint=fp)
         raise ValueError(f"--store {cfg.store!r}: use embedded, mooncake or mooncake://HOST:PORT")

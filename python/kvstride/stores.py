@@ -8,8 +8,11 @@ Protocol (both stores)::
                                                     written to every destination
     register_buffer(ptr, nbytes); close()
 
-``buffers[i]`` is key i's payload as a list of parts: ``(address, nbytes)`` pairs (what
-``StagedBatch.parts`` gives), contiguous CPU torch tensors, numpy arrays or writable buffers.
+``buffers[i]`` is key i's payload as a list of parts: contiguous CPU torch tensors, numpy arrays,
+writable buffers, or ``(address, nbytes)`` pairs (what ``StagedBatch.parts`` gives) that lie
+inside memory registered with this store (``register_buffer``, which ``StagingPool.register``
+calls). A raw pair anywhere else refuses the whole call (every key ``INVALID``): a store never
+reads or writes memory it was not handed.
 
 The embedded store keeps each value in a fixed-size slot of one preallocated arena, with its
 XXH3-64 next to it; bound to a KV layout it also copies blocks straight between the KV tensors
@@ -30,13 +33,16 @@ master) raise ``ValueError`` / ``RuntimeError``.
 
 from __future__ import annotations
 
+import atexit
 import collections
+import concurrent.futures
 import contextlib
 import ctypes
 import enum
 import importlib.util
 import logging
 import os
+import queue
 import shutil
 import signal
 import socket
@@ -46,10 +52,20 @@ import tempfile
 import threading
 import time
 import urllib.request
-from typing import TYPE_CHECKING, Optional, Sequence
+from typing import Optional, Sequence
 
 import numpy as np
 import xxhash
+
+from kvstride.mooncake_config import (
+    DEFAULT_LOCAL_BUFFER_BYTES,
+    DEFAULT_SEGMENT_BYTES,
+    MOONCAKE_PIP,
+    MooncakeClientConfig,
+    MooncakeDependencyError,
+    missing_library,
+    resolve_local_hostname,
+)
 
 __all__ = [
     "Status",
@@ -61,9 +77,6 @@ __all__ = [
     "HEADER_BYTES",
     "FORMAT_VERSION",
 ]
-
-if TYPE_CHECKING:
-    from kvstride.mooncake_config import MooncakeClientConfig
 
 log = logging.getLogger("kvstride.stores")
 
@@ -95,9 +108,7 @@ class Status(enum.Enum):
 
 
 def _region(part, writable: bool):
-    """(address, nbytes, keepalive) of one buffer part."""
-    if isinstance(part, tuple) and len(part) == 2 and isinstance(part[0], int):
-        return int(part[0]), int(part[1]), None
+    """(address, nbytes, keepalive) of one buffer object."""
     try:
         import torch
 
@@ -115,22 +126,46 @@ def _region(part, writable: bool):
     return arr.ctypes.data, arr.nbytes, arr
 
 
-def _is_region(part) -> bool:
+def _is_raw(part) -> bool:
     return type(part) is tuple and len(part) == 2 and type(part[0]) is int and type(part[1]) is int
 
 
-def _regions(buffers, writable: bool):
+def _inside(parts, allowed) -> bool:
+    """Every raw ``(address, nbytes)`` of ``parts`` lies inside one of the ``allowed``
+    ``(start, end)`` ranges (one pass when the key's parts share a buffer, as staged ones do)."""
+    for lo, hi in allowed:  # a plain loop: this runs for every part of every staged batch
+        for a, n in parts:
+            if a < lo or n < 0 or a + n > hi:
+                break
+        else:
+            return True
+    return len(parts) > 1 and all(_inside((p,), allowed) for p in parts)
+
+
+_OUTSIDE = "a raw (address, nbytes) part is not inside a buffer registered with this store (register_buffer)"
+
+
+def _regions(buffers, writable: bool, allowed=()):
+    """Each key's parts as ``(address, nbytes)`` and what keeps them alive; raw pairs must lie
+    inside the ``allowed`` ranges."""
     out, keep = [], []
     for parts in buffers:
-        if type(parts) is list and all(map(_is_region, parts)):  # (address, nbytes) pairs already
-            out.append(parts)
-            continue
-        if isinstance(parts, tuple) and len(parts) == 2 and isinstance(parts[0], int):
+        if _is_raw(parts):
             parts = [parts]
         elif not isinstance(parts, (list, tuple)):
             parts = [parts]
+        if type(parts) is list and all(map(_is_raw, parts)):  # (address, nbytes) pairs already
+            if not _inside(parts, allowed):
+                raise ValueError(_OUTSIDE)
+            out.append(parts)
+            continue
         regs = []
         for p in parts:
+            if _is_raw(p):
+                if not _inside((p,), allowed):
+                    raise ValueError(_OUTSIDE)
+                regs.append(p)
+                continue
             a, n, k = _region(p, writable)
             regs.append((a, n))
             if k is not None:
@@ -182,7 +217,8 @@ def _key_digest(key: str) -> bytes:
 
 
 def _copy_parts(src, dst) -> None:
-    """Copy the byte stream of parts ``src`` into parts ``dst`` (same total)."""
+    """Copy the byte stream of parts ``src`` into parts ``dst``; the totals must be equal
+    (``KVStore._prepare`` refuses a repeated key whose destination size differs)."""
     if [n for _, n in src] == [n for _, n in dst]:
         for (sa, n), (da, _) in zip(src, dst):
             if n and sa != da:
@@ -210,6 +246,8 @@ class KVStore:
         self.verify = bool(verify)
         self.counters: collections.Counter = collections.Counter()
         self._logged: set = set()
+        self._note_lock = threading.Lock()  # the caller's thread and the engine's lanes all count
+        self._allowed: tuple = ()  # (start, end) of the registered buffers raw parts may name
 
     # -- to implement --
     def exists(self, keys: Sequence[str]) -> list:
@@ -222,7 +260,13 @@ class KVStore:
         raise NotImplementedError
 
     def register_buffer(self, ptr: int, nbytes: int) -> None:
-        pass
+        """Let raw ``(address, nbytes)`` parts name ``nbytes`` at ``ptr`` (a staging pool). The
+        caller keeps that memory alive for as long as it uses this store."""
+        ptr, nbytes = int(ptr), int(nbytes)
+        if ptr <= 0 or nbytes <= 0:
+            raise ValueError(f"register_buffer needs a positive address and size, got ({ptr}, {nbytes})")
+        with self._note_lock:
+            self._allowed += ((ptr, ptr + nbytes),)
 
     def close(self) -> None:
         pass
@@ -235,9 +279,12 @@ class KVStore:
 
     # -- helpers --
     def _note(self, op: str, status: Status, count: int = 1, detail: str = "") -> None:
-        self.counters[f"{op}.{status.value}"] += count
-        if status is not Status.OK and (op, status) not in self._logged:
-            self._logged.add((op, status))
+        with self._note_lock:
+            self.counters[f"{op}.{status.value}"] += count
+            first = status is not Status.OK and (op, status) not in self._logged
+            if first:
+                self._logged.add((op, status))
+        if first:
             log.warning("kvstride %s %s: %s %s (logged once)", type(self).__name__, op, status.value, detail)
 
     def _note_all(self, op: str, statuses) -> None:
@@ -288,7 +335,7 @@ class KVStore:
         dedup of the keys and each key's payload bytes; None, counted, when the whole call is
         refused."""
         try:
-            regs, keep = _regions(buffers, writable=writable)
+            regs, keep = _regions(buffers, writable, self._allowed)
         except (ValueError, TypeError) as e:
             self._note(op, Status.INVALID, len(keys), str(e))
             return None
@@ -297,7 +344,13 @@ class KVStore:
             return None
         first, uniq = self._dedup(keys)
         totals = [sum(n for _, n in r) for r in regs]
-        return regs, keep, self._validate(keys, regs, totals), first, uniq, totals
+        out = self._validate(keys, regs, totals)
+        for i, k in enumerate(keys):
+            # One key, two sizes: copying one value into both would read past it or leave bytes unwritten.
+            if out[i] is None and first[k] != i and totals[i] != totals[first[k]]:
+                out[i] = Status.INVALID
+                self._note(op, Status.INVALID, 0, f"{k!r} repeated with {totals[i]} and {totals[first[k]]} bytes")
+        return regs, keep, out, first, uniq, totals
 
     @staticmethod
     def _dedup(keys):
@@ -670,18 +723,98 @@ def _port_open(host: str, port: int, timeout: float = 0.5) -> bool:
 def _mooncake_dir() -> str:
     spec = importlib.util.find_spec("mooncake")
     if spec is None or not spec.submodule_search_locations:
-        raise RuntimeError(
-            "the Mooncake store needs `pip install 'kvstride[mooncake]'` (mooncake-transfer-engine-non-cuda) "
-            "and `apt-get install libibverbs1`"
+        raise MooncakeDependencyError(
+            f"the Mooncake store needs the mooncake package, which is not installed: {MOONCAKE_PIP} "
+            "(or `pip install 'kvstride[mooncake]'`)"
         )
     return list(spec.submodule_search_locations)[0]
 
 
+# ---- masters die with their parent ----
+# A master's parent-death signal (Linux prctl) fires when the *thread* that forked it ends, so
+# every master is forked by one daemon thread that lives as long as the process; atexit stops
+# the masters still running on a normal exit, and the signal kills them on any other.
+
+_PR_SET_PDEATHSIG = 1
+try:
+    _prctl = ctypes.CDLL(None, use_errno=True).prctl
+except (OSError, AttributeError):  # pragma: no cover - not Linux
+    _prctl = None
+_spawn_requests: Optional[queue.SimpleQueue] = None
+_spawner_pid = 0
+_spawner_lock = threading.Lock()
+_running: set = set()  # masters started by this process and not stopped yet
+
+
+def _die_with(parent: int):
+    """``preexec_fn``: SIGKILL this child when its parent dies, even if it already has."""
+
+    def preexec() -> None:
+        _prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+        if os.getppid() != parent:  # the parent died before prctl: no signal will come
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    return preexec
+
+
+def _spawner_loop(requests: queue.SimpleQueue) -> None:
+    while True:
+        fn, done = requests.get()
+        try:
+            done.set_result(fn())
+        except BaseException as e:
+            done.set_exception(e)
+
+
+def _spawn(argv: list, log_path: str) -> subprocess.Popen:
+    """``mooncake_master`` with its output appended to ``log_path``, forked by the spawner
+    thread (a daemon, never joined: it ends only with the process; a forked child starts its
+    own)."""
+    global _spawn_requests, _spawner_pid
+
+    def popen() -> subprocess.Popen:
+        with open(log_path, "ab") as log_f:
+            return subprocess.Popen(
+                argv,
+                stdout=log_f,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,  # Ctrl-C in a terminal reaches the clients, which close first
+                preexec_fn=None if _prctl is None else _die_with(os.getpid()),
+            )
+
+    with _spawner_lock:
+        if _spawn_requests is None or _spawner_pid != os.getpid():
+            _spawn_requests, _spawner_pid = queue.SimpleQueue(), os.getpid()
+            threading.Thread(
+                target=_spawner_loop, args=(_spawn_requests,), name="kvstride-master-spawner", daemon=True
+            ).start()
+        requests = _spawn_requests
+    done: concurrent.futures.Future = concurrent.futures.Future()
+    requests.put((popen, done))
+    return done.result()
+
+
+@atexit.register
+def _stop_running() -> None:
+    for m in list(_running):
+        if m.owner == os.getpid():  # a forked child leaves its parent's masters alone
+            m.stop()
+
+
 class MasterProcess:
-    """A ``mooncake_master`` started by :func:`start_master`, stopped by PID."""
+    """A ``mooncake_master`` started by :func:`start_master`, stopped by PID. It dies with the
+    process that started it (on Linux, even on SIGKILL); :meth:`stop` also removes the log
+    folder ``start_master`` made for it."""
 
     def __init__(
-        self, proc: subprocess.Popen, rpc_port: int, metrics_port: int, log_path: str, argv: list, host: str = "127.0.0.1"
+        self,
+        proc: subprocess.Popen,
+        rpc_port: int,
+        metrics_port: int,
+        log_path: str,
+        argv: list,
+        host: str = "127.0.0.1",
+        owned_log_dir: Optional[str] = None,
     ) -> None:
         self.proc = proc
         self.pid = proc.pid
@@ -690,6 +823,9 @@ class MasterProcess:
         self.metrics_port = metrics_port
         self.log_path = log_path
         self.argv = argv
+        self._owned_log_dir = owned_log_dir
+        self.owner = os.getpid()
+        _running.add(self)
 
     @property
     def address(self) -> str:
@@ -698,29 +834,32 @@ class MasterProcess:
     def alive(self) -> bool:
         return self.proc.poll() is None
 
-    def kill(self) -> None:
-        """SIGKILL (tests: a master that dies)."""
+    def _end(self, sig: int, timeout: float) -> None:
         if self.proc.poll() is None:
-            os.kill(self.pid, signal.SIGKILL)
-            self.proc.wait(10)
-
-    def stop(self, timeout: float = 10.0) -> None:
-        if self.proc.poll() is None:
-            os.kill(self.pid, signal.SIGTERM)
+            os.kill(self.pid, sig)
             try:
                 self.proc.wait(timeout)
             except subprocess.TimeoutExpired:
                 os.kill(self.pid, signal.SIGKILL)
                 self.proc.wait(10)
 
+    def kill(self) -> None:
+        """SIGKILL (tests: a master that dies); its log stays for :meth:`restart`."""
+        self._end(signal.SIGKILL, 10.0)
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """SIGTERM (SIGKILL after ``timeout``), then remove the log folder ``start_master``
+        made. Final: the master is not restarted after this."""
+        self._end(signal.SIGTERM, timeout)
+        _running.discard(self)
+        if self._owned_log_dir is not None:
+            shutil.rmtree(self._owned_log_dir, ignore_errors=True)
+            self._owned_log_dir = None
+
     def restart(self, timeout: float = 15.0) -> None:
         """Start again on the same ports (all keys are lost, clients reconnect by themselves)."""
-        self.stop()
-        log_f = open(self.log_path, "ab")
-        try:
-            self.proc = subprocess.Popen(self.argv, stdout=log_f, stderr=subprocess.STDOUT, start_new_session=True)
-        finally:
-            log_f.close()
+        self._end(signal.SIGTERM, 10.0)
+        self.proc = _spawn(self.argv, self.log_path)
         self.pid = self.proc.pid
         _wait_ready(self, timeout)
 
@@ -731,12 +870,27 @@ class MasterProcess:
         self.stop()
 
 
+def _log_tail(path: str, lines: int = 20) -> str:
+    try:
+        with open(path, errors="replace") as f:
+            return "".join(f.readlines()[-lines:]).strip()
+    except OSError as e:
+        return f"(no log: {e.strerror})"
+
+
 def _wait_ready(m: MasterProcess, timeout: float) -> None:
+    """Wait until ``m`` serves; on failure stop it (its log folder goes too) and raise with the
+    log's last lines, or name what Mooncake is missing when the loader refused to start it."""
     deadline = time.monotonic() + timeout
     url = f"http://{m.host}:{m.metrics_port}/health"
     while time.monotonic() < deadline:
         if m.proc.poll() is not None:
-            raise RuntimeError(f"mooncake_master exited with {m.proc.returncode}; log: {m.log_path}")
+            tail = _log_tail(m.log_path)
+            m.stop()
+            hint = missing_library(tail) if m.proc.returncode == 127 else None  # 127: the loader gave up
+            if hint:
+                raise MooncakeDependencyError(f"mooncake_master ({m.argv[0]}) cannot start. {hint}")
+            raise RuntimeError(f"mooncake_master exited with {m.proc.returncode}; its log ends:\n{tail}")
         try:
             with urllib.request.urlopen(url, timeout=0.5) as r:
                 body = r.read().decode(errors="replace")
@@ -745,8 +899,9 @@ def _wait_ready(m: MasterProcess, timeout: float) -> None:
         except OSError:
             pass
         time.sleep(0.02)
+    tail = _log_tail(m.log_path)
     m.stop()
-    raise RuntimeError(f"mooncake_master not ready after {timeout:.0f} s; log: {m.log_path}")
+    raise RuntimeError(f"mooncake_master not ready after {timeout:.0f} s; its log ends:\n{tail}")
 
 
 def start_master(
@@ -760,10 +915,18 @@ def start_master(
     timeout: float = 15.0,
 ) -> MasterProcess:
     """Run ``mooncake_master`` listening on ``host`` (loopback by default) at ``rpc_port`` (a
-    free one by default; the metrics port is always a free one), wait until healthy."""
-    binary = os.path.join(_mooncake_dir(), "mooncake_master")
+    free one by default; the metrics port is always a free one), wait until healthy. Its log
+    goes to ``log_dir``, else to a temporary folder that :meth:`MasterProcess.stop` removes.
+    ``MooncakeDependencyError`` names what is missing when Mooncake cannot run here."""
+    package_dir = _mooncake_dir()
+    binary = os.path.join(package_dir, "mooncake_master")
     if not os.path.exists(binary):
-        binary = shutil.which("mooncake_master") or binary
+        binary = shutil.which("mooncake_master")
+        if binary is None:
+            raise MooncakeDependencyError(
+                f"the mooncake_master binary is missing: not in the mooncake package ({package_dir}) nor on PATH; "
+                f"{MOONCAKE_PIP} installs it"
+            )
     if rpc_port is not None and _port_open(host, rpc_port, 0.2):
         raise RuntimeError(f"port {rpc_port} on {host} is in use; pick another or leave it to a free one")
     rpc = _free_port(host) if rpc_port is None else int(rpc_port)
@@ -783,16 +946,15 @@ def start_master(
     if eviction_high_watermark is not None:
         argv.append(f"--eviction_high_watermark_ratio={eviction_high_watermark}")
     argv += list(extra_args)
-    log_dir = log_dir or tempfile.mkdtemp(prefix="kvstride-mooncake-")
-    log_path = os.path.join(log_dir, f"master-{rpc}.log")
-    log_f = open(log_path, "ab")
+    owned_log_dir = None if log_dir else tempfile.mkdtemp(prefix="kvstride-mooncake-")
+    log_path = os.path.join(log_dir or owned_log_dir, f"master-{rpc}.log")
     try:
-        proc = subprocess.Popen(argv, stdout=log_f, stderr=subprocess.STDOUT, start_new_session=True)
+        proc = _spawn(argv, log_path)
     except OSError as e:
-        raise RuntimeError(f"cannot run {binary}: {e} (is libibverbs1 installed?)") from e
-    finally:
-        log_f.close()
-    m = MasterProcess(proc, rpc, met, log_path, argv, host)
+        if owned_log_dir is not None:
+            shutil.rmtree(owned_log_dir, ignore_errors=True)
+        raise RuntimeError(f"cannot run {binary}: {e}") from e
+    m = MasterProcess(proc, rpc, met, log_path, argv, host, owned_log_dir)
     _wait_ready(m, timeout)
     return m
 
@@ -827,6 +989,9 @@ class MooncakeStore(KVStore):
     None to start one on loopback for this machine (owned: stopped by :meth:`close`).
     ``segment_bytes``: memory this client contributes (0 = a pure client).  Objects live in some
     client's segment and vanish with it (and all of them when the master restarts).
+    ``local_hostname``: where other clients reach this one's segment; unset, the host of a
+    master started on this machine (a :class:`MasterProcess` or None), else ``$VLLM_HOST_IP``,
+    else ``ValueError`` for a client with a segment (a pure client serves nothing).
     """
 
     takes_digests = True
@@ -835,10 +1000,10 @@ class MooncakeStore(KVStore):
         self,
         master=None,
         *,
-        segment_bytes: int = 256 << 20,
-        local_buffer_bytes: int = 16 << 20,
+        segment_bytes: int = DEFAULT_SEGMENT_BYTES,
+        local_buffer_bytes: int = DEFAULT_LOCAL_BUFFER_BYTES,
         protocol: str = "tcp",
-        local_hostname: str = "127.0.0.1",
+        local_hostname: Optional[str] = None,
         metadata_server: str = "P2PHANDSHAKE",
         rdma_devices: str = "",
         fingerprint: bytes = b"\0" * 8,
@@ -849,43 +1014,45 @@ class MooncakeStore(KVStore):
     ) -> None:
         super().__init__(fingerprint, verify)
         self._owned_master: Optional[MasterProcess] = None
-        if master is None:
-            master = self._owned_master = start_master()
-        if isinstance(master, MasterProcess):
-            self.master_address = master.address
-        else:
-            self.master_address = str(master)
-        host, _, port = self.master_address.rpartition(":")
-        if not host or not port.isdigit():
-            self._stop_owned()
-            raise ValueError(f"Mooncake master address must be 'host:port', got {self.master_address!r}")
-        self._host, self._port = host, int(port)
-        if not _port_open(host, self._port, connect_timeout):
-            self._stop_owned()
-            raise RuntimeError(
-                f"Mooncake master {self.master_address} is not reachable (TCP connect failed); "
-                "start one (kvstride.stores.start_master()) or pass the right address"
-            )
+        if local_hostname is None and master is None:
+            local_hostname = "127.0.0.1"  # the master it starts below listens there
+        elif local_hostname is None and isinstance(master, MasterProcess):
+            local_hostname = master.host  # a master of this machine: its clients reach this host there
+        # A pure client serves no segment, so nobody connects to the address it advertises.
+        local_hostname = resolve_local_hostname(local_hostname, int(segment_bytes)) or "127.0.0.1"
         try:
             from mooncake.store import MooncakeDistributedStore
         except ImportError as e:
+            hint = missing_library(str(e))
+            if hint:
+                raise MooncakeDependencyError(f"Mooncake's client cannot load. {hint}") from e
+            raise MooncakeDependencyError(f"cannot import mooncake.store ({e}): {MOONCAKE_PIP}") from e
+        if master is None:
+            master = self._owned_master = start_master()
+        self.master_address = master.address if isinstance(master, MasterProcess) else str(master)
+        try:  # a master this store started is stopped on any failure
+            host, _, port = self.master_address.rpartition(":")
+            if not host or not port.isdigit():
+                raise ValueError(f"Mooncake master address must be 'host:port', got {self.master_address!r}")
+            self._host, self._port = host, int(port)
+            if not _port_open(host, self._port, connect_timeout):
+                raise RuntimeError(
+                    f"Mooncake master {self.master_address} is not reachable (TCP connect failed); "
+                    "start one (kvstride.stores.start_master()) or pass the right address"
+                )
+            os.environ.setdefault("MC_STORE_CLIENT_SETUP_RETRIES", str(int(setup_retries)))
+            if metadata_server != "P2PHANDSHAKE" and local_hostname.startswith("127."):
+                os.environ.setdefault("MC_TCP_BIND_ADDRESS", local_hostname)
+            client = MooncakeDistributedStore()
+            rc = client.setup(
+                local_hostname, metadata_server, int(segment_bytes), int(local_buffer_bytes), protocol, rdma_devices,
+                self.master_address,
+            )
+            if rc != 0:  # a failed setup leaves an object we must not call again (close included)
+                raise RuntimeError(f"Mooncake setup against {self.master_address} failed with {rc}")
+        except BaseException:
             self._stop_owned()
-            raise RuntimeError(
-                f"cannot import mooncake.store ({e}); install `mooncake-transfer-engine-non-cuda` "
-                "and the Debian package libibverbs1"
-            ) from e
-        os.environ.setdefault("MC_STORE_CLIENT_SETUP_RETRIES", str(int(setup_retries)))
-        if metadata_server != "P2PHANDSHAKE" and local_hostname.startswith("127."):
-            os.environ.setdefault("MC_TCP_BIND_ADDRESS", local_hostname)
-        client = MooncakeDistributedStore()
-        rc = client.setup(
-            local_hostname, metadata_server, int(segment_bytes), int(local_buffer_bytes), protocol, rdma_devices, self.master_address
-        )
-        if rc != 0:
-            # A failed setup leaves an object we must not call again (close included).
-            self._client = None
-            self._stop_owned()
-            raise RuntimeError(f"Mooncake setup against {self.master_address} failed with {rc}")
+            raise
         self._client = client
         self.protocol = protocol
         self.segment_bytes = int(segment_bytes)
@@ -899,22 +1066,21 @@ class MooncakeStore(KVStore):
     @classmethod
     def from_config(
         cls,
-        config: "MooncakeClientConfig",
+        config: MooncakeClientConfig,
         *,
-        local_hostname: str = "127.0.0.1",
         fingerprint: bytes = b"\0" * 8,
         verify: bool = True,
     ) -> "MooncakeStore":
         """A client as ``config`` (:func:`kvstride.mooncake_config.resolve_client_config`) says;
         ``global_segment_size`` 0 makes a pure client whose objects live in a holder's segment
-        (``kvstride store serve``) and outlive it.  ``local_hostname``: the address other
-        clients reach this one at."""
+        (``kvstride store serve``) and outlive it.  A client with a segment advertises
+        ``config.local_hostname``, else ``$VLLM_HOST_IP``; with neither it is a ``ValueError``."""
         return cls(
             config.master_server_address,
             segment_bytes=config.global_segment_size,
             local_buffer_bytes=config.local_buffer_size,
             protocol=config.protocol,
-            local_hostname=local_hostname,
+            local_hostname=config.local_hostname,
             metadata_server=config.metadata_server,
             rdma_devices=config.device_name,
             fingerprint=fingerprint,
@@ -924,22 +1090,21 @@ class MooncakeStore(KVStore):
     # -- guard: never a call after close(), fail fast while the master is down --
 
     def _enter(self, op: str, n: int):
-        with self._cv:
-            if self._closed or self._client is None:
-                self._note(op, Status.UNAVAILABLE, 0, "store closed")
-                return None
-            self._inflight += 1
-            client = self._client
-        if self._down_until and time.monotonic() < self._down_until:
+        with self._cv:  # also guards _down_until, which every calling thread reads and sets
+            closed = self._closed or self._client is None
+            down = not closed and self._down_until > 0 and time.monotonic() < self._down_until
+            probe = not closed and not down and self._down_until > 0
+            if not closed and not down:
+                self._inflight += 1
+                client = self._client
+        if closed or down:
+            self._note(op, Status.UNAVAILABLE, 0, "store closed" if closed else f"master {self.master_address} down")
+            return None
+        if probe and not _port_open(self._host, self._port, 0.2):  # the retry time passed: still down?
+            self._mark_down(True)
             self._leave()
             self._note(op, Status.UNAVAILABLE, 0, f"master {self.master_address} down")
             return None
-        if self._down_until:
-            if not _port_open(self._host, self._port, 0.2):
-                self._down_until = time.monotonic() + self._retry_after
-                self._leave()
-                self._note(op, Status.UNAVAILABLE, 0, f"master {self.master_address} down")
-                return None
         return client
 
     def _leave(self) -> None:
@@ -947,11 +1112,12 @@ class MooncakeStore(KVStore):
             self._inflight -= 1
             self._cv.notify_all()
 
+    def _mark_down(self, down: bool) -> None:
+        with self._cv:
+            self._down_until = time.monotonic() + self._retry_after if down else 0.0
+
     def _saw(self, codes) -> None:
-        if any(c in _RPC_CODES for c in codes):
-            self._down_until = time.monotonic() + self._retry_after
-        elif self._down_until:
-            self._down_until = 0.0
+        self._mark_down(any(c in _RPC_CODES for c in codes))
 
     @property
     def closed(self) -> bool:
@@ -983,6 +1149,7 @@ class MooncakeStore(KVStore):
             self._leave()
 
     def register_buffer(self, ptr: int, nbytes: int) -> None:
+        super().register_buffer(ptr, nbytes)
         c = self._enter("register", 0)
         if c is None:
             return
@@ -1137,7 +1304,8 @@ class MooncakeStore(KVStore):
         keys = list(dict.fromkeys(keys))
         if not keys:
             return
-        self.counters["get.ok"] -= len(keys)
+        with self._note_lock:
+            self.counters["get.ok"] -= len(keys)
         self._note("get", Status.CORRUPT, len(keys), f"{keys[0]!r}: payload hash mismatch")
         self._remove(keys)
 
