@@ -116,6 +116,8 @@ def main():
 
     for v in (True, False):
         es = stores.EmbeddedStore(4 * total, verify=v, slot_bytes=size)
+        es.register_buffer(src.ctypes.data, src.nbytes)  # raw parts must lie in registered buffers
+        es.register_buffer(dst.ctypes.data, dst.nbytes)
         tp, tg = [], []
         for r in range(a.reps):
             ks = [f"e{r}-{i}" for i in range(n)]

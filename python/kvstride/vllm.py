@@ -63,6 +63,7 @@ import kvstride
 from kvstride.arena import HostArena, SlotIndex, slots_for
 from kvstride.engine import LoadRequest, OffloadEngine, SaveRequest
 from kvstride.layout import KVLayout
+from kvstride.mooncake_config import parse_size
 from kvstride.stores import KVStore
 from kvstride.transfer import StagingPool, Transfer
 from kvstride.vllm_checks import check_reproducible_hashes
@@ -277,6 +278,9 @@ class _ArenaSaveJob:
     bad: int = 0  # ranks that failed
 
 
+#: The embedded store's capacity per TP rank without ``store_bytes``.
+DEFAULT_STORE_BYTES = 1 << 30
+
 #: Scheduler steps after which an arena save job that no rank reported is abandoned. Every
 #: rank reports in the step that ran the copy (vLLM returns it with that step's output), so
 #: this bounds only jobs whose report was lost.
@@ -333,7 +337,8 @@ class KVStrideConnector(KVConnectorBase_V1, SupportsHMA):
         )
         if self.arena_mode:
             self.store = None
-            self.num_slots = slots_for(int(extra.get("store_bytes", 1 << 30)), arena_slot_bytes(kv_cache_config))
+            store_bytes = parse_size(extra.get("store_bytes", DEFAULT_STORE_BYTES), "store_bytes")
+            self.num_slots = slots_for(store_bytes, arena_slot_bytes(kv_cache_config))
         else:
             # Engines share what they store: their block hashes must agree.
             check_reproducible_hashes(vllm_config, shared=True)
@@ -892,12 +897,30 @@ class KVStrideConnector(KVConnectorBase_V1, SupportsHMA):
             self._load_failed.add(rid)
             self.count("loads_failed")
             return
-        self._arena_inflight[rid] = (self._arena_loader.submit(self._arena_load, copy), copy)
+        ready = self._vllm_stream_event()
+        self._arena_inflight[rid] = (self._arena_loader.submit(self._arena_load, copy, ready), copy)
 
-    def _arena_load(self, copy: ArenaCopy) -> Tuple[np.ndarray, float]:
+    def _vllm_stream_event(self):
+        """On CUDA, an event recorded on vLLM's stream now (the step thread's current stream):
+        the loader's copies wait for it, so they land after whatever vLLM still has queued on
+        the destination blocks (their previous owner's work). None on the CPU."""
+        device = self.arena.layout.device
+        if device is None or device.type != "cuda":
+            return None
+        import torch
+
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(device))
+        return event
+
+    def _arena_load(self, copy: ArenaCopy, ready=None) -> Tuple[np.ndarray, float]:
         """On the loader thread: the copy alone. Its outcome travels back in the future's
         result and is counted on the step thread (``_arena_loads_done``), so nothing here
         touches state the step thread reads or swaps."""
+        if ready is not None:
+            import torch
+
+            torch.cuda.current_stream(self.arena.layout.device).wait_event(ready)
         start = time.perf_counter()
         ok = self.arena.load(copy.slots, copy.groups, copy.block_ids)
         return ok, time.perf_counter() - start
