@@ -62,15 +62,28 @@ pub fn stride_keys<H: Clone>(hashes: &[H], hashes_per_chunk: usize, start_chunk:
 
 /// `[cache_prefix@]model[@fp:{fingerprint}]@tp_rank:{t}@pcp{p}@dcp{d}@pp_rank:{pp}`.
 /// Without a fingerprint it is byte-identical to vLLM's MooncakeStoreConnector namespace.
+/// A TP or PP rank left unset (None) is the planner's to give, and reads as 0 in the text.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Namespace {
     pub model: String,
     pub cache_prefix: Option<String>,
     pub fingerprint: Option<String>,
-    pub tp_rank: u64,
+    pub tp_rank: Option<u64>,
     pub pcp_rank: u64,
     pub dcp_rank: u64,
-    pub pp_rank: u64,
+    pub pp_rank: Option<u64>,
+}
+
+/// The rank a planner keys under: given on one side, that one; on both, they must agree
+/// (a silent pick would key one rank's shard under another rank's name).
+fn agreed_rank(what: &str, namespace: Option<u64>, planner: Option<u64>) -> Result<u64> {
+    match (namespace, planner) {
+        (Some(ns), Some(own)) if ns != own => Err(Error::new(format!(
+            "the KeyPlanner's {what}={own} disagrees with its Namespace's {what}={ns}: give the \
+             rank once (in the Namespace or to the planner), or the same in both"
+        ))),
+        (ns, own) => Ok(own.or(ns).unwrap_or(0)),
+    }
 }
 
 impl Namespace {
@@ -79,11 +92,20 @@ impl Namespace {
             model: model.into(),
             cache_prefix: None,
             fingerprint: None,
-            tp_rank: 0,
+            tp_rank: None,
             pcp_rank: 0,
             dcp_rank: 0,
-            pp_rank: 0,
+            pp_rank: None,
         }
+    }
+
+    /// This namespace with the planner's TP and PP ranks set (None: not given to the planner).
+    pub fn with_ranks(&self, tp_rank: Option<u64>, pp_rank: Option<u64>) -> Result<Namespace> {
+        Ok(Namespace {
+            tp_rank: Some(agreed_rank("tp_rank", self.tp_rank, tp_rank)?),
+            pp_rank: Some(agreed_rank("pp_rank", self.pp_rank, pp_rank)?),
+            ..self.clone()
+        })
     }
 
     pub fn validate(&self) -> Result<()> {
@@ -128,7 +150,8 @@ impl Namespace {
         }
         out.push_str(&format!(
             "@tp_rank:{tp_rank}@pcp{}@dcp{dcp_rank}@pp_rank:{}",
-            self.pcp_rank, self.pp_rank
+            self.pcp_rank,
+            self.pp_rank.unwrap_or(0)
         ));
         out
     }
@@ -190,6 +213,30 @@ mod tests {
         ns.cache_prefix = Some("p".into());
         ns.fingerprint = Some("00ff".into());
         assert_eq!(ns.text(0), "p@m@fp:00ff@tp_rank:0@pcp0@dcp0@pp_rank:0");
+    }
+
+    #[test]
+    fn ranks_given_once_or_agreeing() {
+        let mut ns = Namespace::new("m");
+        let both = ns.with_ranks(Some(3), Some(2)).unwrap();
+        assert_eq!((both.tp_rank, both.pp_rank), (Some(3), Some(2)));
+        let none = ns.with_ranks(None, None).unwrap();
+        assert_eq!((none.tp_rank, none.pp_rank), (Some(0), Some(0)));
+        ns.tp_rank = Some(1);
+        ns.pp_rank = Some(4);
+        let from_ns = ns.with_ranks(None, None).unwrap();
+        assert_eq!((from_ns.tp_rank, from_ns.pp_rank), (Some(1), Some(4)));
+        assert!(ns.with_ranks(Some(1), Some(4)).is_ok());
+        let err = ns.with_ranks(Some(0), None).unwrap_err().0;
+        assert!(
+            err.contains("tp_rank=0") && err.contains("tp_rank=1"),
+            "{err}"
+        );
+        let err = ns.with_ranks(None, Some(0)).unwrap_err().0;
+        assert!(
+            err.contains("pp_rank=0") && err.contains("pp_rank=4"),
+            "{err}"
+        );
     }
 
     #[test]

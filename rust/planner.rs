@@ -25,6 +25,7 @@ pub struct PlannerConfig {
     pub partial_hits: Option<bool>,
     pub dcp: u64,
     pub tp_size: u64,
+    /// This rank. A `NamespaceSpec::Parts` that names another TP rank is refused.
     pub tp_rank: u64,
 }
 
@@ -179,6 +180,8 @@ impl KeyPlanner {
             }
             NamespaceSpec::Parts(ns) => {
                 ns.validate()?;
+                // A Namespace naming another TP rank than this planner's is refused.
+                let ns = ns.with_ranks(Some(tp_rank), None)?;
                 // Under DCP every rank keys its own shard, and rank t is dcp rank t % dcp.
                 let text = |key_rank: u64| {
                     if dcp > 1 {
@@ -698,6 +701,12 @@ impl KeyPlanner {
             return best_up_to((num_tokens - 1) / a * a);
         }
         hit
+    }
+
+    /// The saved offset of a request once a load of `hit_tokens` completed: the loaded
+    /// prefix is in the store, so its saves start at the last scheduler block it covers.
+    pub fn saved_offset_after_load(&self, hit_tokens: u64) -> u64 {
+        hit_tokens / self.s * self.s
     }
 
     /// §7: what to get, into which destination blocks, for a hit of `hit` tokens over a

@@ -242,6 +242,56 @@ fn lookup_keys_cover_every_tp_namespace() {
     );
 }
 
+#[test]
+fn namespace_tp_rank_must_agree_with_the_planner() {
+    use crate::keys::Namespace;
+    let config = |ns_rank: Option<u64>, tp_rank: u64| PlannerConfig {
+        groups: vec![GroupSpec::full_attention(16)],
+        hash_block_size: 16,
+        scheduler_block_size: 16,
+        namespace: NamespaceSpec::Parts(Namespace {
+            tp_rank: ns_rank,
+            ..Namespace::new("m")
+        }),
+        partial_hits: None,
+        dcp: 1,
+        tp_size: 2,
+        tp_rank,
+    };
+    // A rank-1 Namespace under a rank-0 planner would key rank 1's shard as rank 0's.
+    let err = KeyPlanner::new(config(Some(1), 0)).unwrap_err().0;
+    assert!(
+        err.contains("tp_rank=0") && err.contains("tp_rank=1"),
+        "{err}"
+    );
+    let h = fake_hashes(1);
+    for ns_rank in [Some(1), None] {
+        let p = KeyPlanner::new(config(ns_rank, 1)).unwrap();
+        assert!(
+            p.key(0, &h[0]).starts_with("m@tp_rank:1@"),
+            "{}",
+            p.key(0, &h[0])
+        );
+    }
+}
+
+#[test]
+fn saved_offset_after_load_is_the_last_scheduler_block_loaded() {
+    let p = planner(
+        vec![
+            GroupSpec::full_attention(16),
+            GroupSpec::mamba(64, MambaMode::Align),
+        ],
+        16,
+        64,
+    );
+    assert_eq!(p.alignment(), 16);
+    assert_eq!(p.saved_offset_after_load(0), 0);
+    assert_eq!(p.saved_offset_after_load(48), 0);
+    assert_eq!(p.saved_offset_after_load(64), 64);
+    assert_eq!(p.saved_offset_after_load(112), 64);
+}
+
 // ---- random mixes ---------------------------------------------------------------------------
 
 #[derive(Clone, Debug)]
@@ -501,6 +551,40 @@ proptest! {
         assert_unique(&load.gets);
         prop_assert!(load.missing.is_empty());
         prop_assert!(load.gets.iter().all(|t| store.contains(&t.key)), "a get outside the store");
+    }
+
+    /// The Python binding sizes its key list with `lookup_key_count` and refuses a fill that
+    /// disagrees with it: the count is the keys `for_each_candidate_key` emits, at any TP size.
+    #[test]
+    fn lookup_key_count_is_the_keys_emitted(
+        h in hash_unit(),
+        raw in raw_groups(),
+        num_hashes in 0usize..40,
+        n in 0u64..800,
+        tp_size in prop::sample::select(vec![1u64, 2, 4]),
+        heads in 1u64..=4,
+    ) {
+        let mix = build_mix(h, &raw, None);
+        let mut groups = mix.groups.clone();
+        for g in groups.iter_mut().filter(|g| g.kind == GroupKind::FullAttention) {
+            g.num_kv_heads = Some(heads);
+        }
+        let p = KeyPlanner::new(PlannerConfig {
+            groups,
+            hash_block_size: mix.h,
+            scheduler_block_size: mix.s,
+            namespace: NamespaceSpec::Parts(crate::keys::Namespace::new("m")),
+            partial_hits: None,
+            dcp: 1,
+            tp_size,
+            tp_rank: tp_size - 1,
+        })
+        .unwrap();
+        let hashes = fake_hashes(num_hashes);
+        let candidates = p.lookup_candidates(&hashes, n);
+        let mut emitted = 0;
+        p.for_each_candidate_key(&hashes, &candidates, |_| emitted += 1);
+        prop_assert_eq!(emitted, p.lookup_key_count(&candidates));
     }
 
     /// (d) + (e): without mamba, after a save's puts exist the save end is served.

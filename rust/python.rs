@@ -8,7 +8,7 @@ use crate::hashing::{self, BlockHash, ExtraKeys, HashAlgo, TokenSlice};
 use crate::keys;
 use crate::planner::{self, NamespaceSpec, PlannerConfig, Transfer};
 use numpy::{PyArray1, PyArrayMethods, PyReadonlyArray1, PyUntypedArray, PyUntypedArrayMethods};
-use pyo3::exceptions::{PyIndexError, PyTypeError, PyValueError};
+use pyo3::exceptions::{PyIndexError, PyRuntimeError, PyTypeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::{
     PyBool, PyByteArray, PyBytes, PyDict, PyFloat, PyInt, PyList, PySequence, PyString, PyTuple,
@@ -22,6 +22,10 @@ fn value_error(err: crate::Error) -> PyErr {
 /// A non-negative integer argument; negative values are a `ValueError` naming the argument.
 fn non_negative(name: &str, value: i64) -> PyResult<u64> {
     u64::try_from(value).map_err(|_| PyValueError::new_err(format!("{name}={value}: must be >= 0")))
+}
+
+fn optional_non_negative(name: &str, value: Option<i64>) -> PyResult<Option<u64>> {
+    value.map(|v| non_negative(name, v)).transpose()
 }
 
 fn positive(name: &str, value: i64) -> PyResult<u64> {
@@ -613,25 +617,25 @@ struct Namespace {
 #[pymethods]
 impl Namespace {
     #[new]
-    #[pyo3(signature = (model, *, cache_prefix = None, fingerprint = None, tp_rank = 0,
-                        pcp_rank = 0, dcp_rank = 0, pp_rank = 0))]
+    #[pyo3(signature = (model, *, cache_prefix = None, fingerprint = None, tp_rank = None,
+                        pcp_rank = 0, dcp_rank = 0, pp_rank = None))]
     fn new(
         model: String,
         cache_prefix: Option<String>,
         fingerprint: Option<String>,
-        tp_rank: i64,
+        tp_rank: Option<i64>,
         pcp_rank: i64,
         dcp_rank: i64,
-        pp_rank: i64,
+        pp_rank: Option<i64>,
     ) -> PyResult<Self> {
         let inner = keys::Namespace {
             model,
             cache_prefix,
             fingerprint,
-            tp_rank: non_negative("tp_rank", tp_rank)?,
+            tp_rank: optional_non_negative("tp_rank", tp_rank)?,
             pcp_rank: non_negative("pcp_rank", pcp_rank)?,
             dcp_rank: non_negative("dcp_rank", dcp_rank)?,
-            pp_rank: non_negative("pp_rank", pp_rank)?,
+            pp_rank: optional_non_negative("pp_rank", pp_rank)?,
         };
         inner.validate().map_err(value_error)?;
         Ok(Namespace { inner })
@@ -639,20 +643,26 @@ impl Namespace {
 
     #[pyo3(signature = (tp_rank = None, dcp_rank = None))]
     fn text(&self, tp_rank: Option<i64>, dcp_rank: Option<i64>) -> PyResult<String> {
-        let tp = tp_rank.map(|r| non_negative("tp_rank", r)).transpose()?;
-        let dcp = dcp_rank.map(|r| non_negative("dcp_rank", r)).transpose()?;
+        let tp = optional_non_negative("tp_rank", tp_rank)?;
+        let dcp = optional_non_negative("dcp_rank", dcp_rank)?;
         Ok(self.inner.text_with(
-            tp.unwrap_or(self.inner.tp_rank),
+            tp.unwrap_or(self.own_tp_rank()),
             dcp.unwrap_or(self.inner.dcp_rank),
         ))
     }
 
     fn __str__(&self) -> String {
-        self.inner.text(self.inner.tp_rank)
+        self.inner.text(self.own_tp_rank())
     }
 
     fn __repr__(&self) -> String {
-        format!("Namespace({:?})", self.inner.text(self.inner.tp_rank))
+        format!("Namespace({:?})", self.inner.text(self.own_tp_rank()))
+    }
+}
+
+impl Namespace {
+    fn own_tp_rank(&self) -> u64 {
+        self.inner.tp_rank.unwrap_or(0)
     }
 }
 
@@ -819,7 +829,8 @@ impl KeyPlanner {
 impl KeyPlanner {
     #[new]
     #[pyo3(signature = (groups, *, hash_block_size, scheduler_block_size, namespace,
-                        partial_hits = None, dcp = 1, tp_size = 1, tp_rank = 0))]
+                        partial_hits = None, dcp = 1, tp_size = 1, tp_rank = None,
+                        pp_rank = None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         groups: &Bound<'_, PyAny>,
@@ -829,15 +840,32 @@ impl KeyPlanner {
         partial_hits: Option<bool>,
         dcp: i64,
         tp_size: i64,
-        tp_rank: i64,
+        tp_rank: Option<i64>,
+        pp_rank: Option<i64>,
     ) -> PyResult<Self> {
         let groups = extract_groups(groups)?;
-        let namespace = if let Ok(text) = namespace.cast::<PyString>() {
-            NamespaceSpec::Fixed(text.to_cow()?.into_owned())
+        let tp_rank = optional_non_negative("tp_rank", tp_rank)?;
+        let pp_rank = optional_non_negative("pp_rank", pp_rank)?;
+        let (namespace, tp_rank) = if let Ok(text) = namespace.cast::<PyString>() {
+            if pp_rank.unwrap_or(0) != 0 {
+                return Err(PyValueError::new_err(format!(
+                    "pp_rank={} with a fixed namespace string: the string carries its own \
+                     pp_rank; pass a kvstride.Namespace to key per PP rank",
+                    pp_rank.unwrap_or(0)
+                )));
+            }
+            (
+                NamespaceSpec::Fixed(text.to_cow()?.into_owned()),
+                tp_rank.unwrap_or(0),
+            )
         } else if let Ok(ns) = namespace.cast::<Namespace>() {
-            let mut parts = ns.get().inner.clone();
-            parts.tp_rank = non_negative("tp_rank", tp_rank)?;
-            NamespaceSpec::Parts(parts)
+            let parts = ns
+                .get()
+                .inner
+                .with_ranks(tp_rank, pp_rank)
+                .map_err(value_error)?;
+            let tp_rank = parts.tp_rank.unwrap_or(0);
+            (NamespaceSpec::Parts(parts), tp_rank)
         } else {
             return Err(PyTypeError::new_err(format!(
                 "namespace must be a str or a kvstride.Namespace; got {}",
@@ -852,7 +880,7 @@ impl KeyPlanner {
             partial_hits,
             dcp: positive("dcp", dcp)?,
             tp_size: positive("tp_size", tp_size)?,
-            tp_rank: non_negative("tp_rank", tp_rank)?,
+            tp_rank,
         };
         Ok(KeyPlanner {
             inner: planner::KeyPlanner::new(config).map_err(value_error)?,
@@ -991,16 +1019,18 @@ impl KeyPlanner {
         let candidates = self.inner.lookup_candidates(&slices, n);
         let count = self.inner.lookup_key_count(&candidates);
         // SAFETY: PyList_New(count) returns a new list of `count` NULL slots (or NULL with an
-        // exception set); each slot is filled exactly once below with a new reference, which
-        // PyList_SetItem steals, and `count` is exactly the number of keys the planner emits.
+        // exception set); slots 0..count are filled at most once each, with a new reference
+        // that PyList_SetItem steals. The list reaches Python only when every slot is filled
+        // (a list dropped with NULL slots is safe: its dealloc skips them).
         unsafe {
             use pyo3::ffi;
             let list = Bound::from_owned_ptr_or_err(py, ffi::PyList_New(count as ffi::Py_ssize_t))?;
-            let mut i = 0usize;
+            let mut emitted = 0usize;
             let mut failed = false;
             self.inner
                 .for_each_candidate_key(&slices, &candidates, |key| {
-                    if failed {
+                    emitted += 1;
+                    if failed || emitted > count {
                         return;
                     }
                     let s = ffi::PyUnicode_FromStringAndSize(
@@ -1011,13 +1041,18 @@ impl KeyPlanner {
                         failed = true;
                         return;
                     }
-                    ffi::PyList_SetItem(list.as_ptr(), i as ffi::Py_ssize_t, s);
-                    i += 1;
+                    ffi::PyList_SetItem(list.as_ptr(), (emitted - 1) as ffi::Py_ssize_t, s);
                 });
             if failed {
                 return Err(PyErr::fetch(py));
             }
-            debug_assert_eq!(i, count);
+            // Checked in every build, not only in debug ones: a count that disagrees with the
+            // keys emitted would leave NULL slots (a crash on access) or drop keys.
+            if emitted != count {
+                return Err(PyRuntimeError::new_err(format!(
+                    "kvstride bug: lookup_keys emitted {emitted} keys for a list of {count}"
+                )));
+            }
             Ok(list.cast_into_unchecked())
         }
     }
@@ -1080,6 +1115,12 @@ impl KeyPlanner {
             gets: transfers(plan.gets),
             missing: plan.missing,
         })
+    }
+
+    fn saved_offset_after_load(&self, hit_tokens: i64) -> PyResult<u64> {
+        Ok(self
+            .inner
+            .saved_offset_after_load(non_negative("hit_tokens", hit_tokens)?))
     }
 
     fn __repr__(&self) -> String {

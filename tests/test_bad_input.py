@@ -160,6 +160,23 @@ def test_planner_tp_rank_out_of_range(impl, rank):
         impl.KeyPlanner([FA(impl, 16)], hash_block_size=16, scheduler_block_size=16, namespace=impl.Namespace("m"), tp_size=2, tp_rank=-1)
 
 
+def test_namespace_rank_disagreeing_with_the_planner(impl):
+    """B1: a Namespace naming one TP/PP rank and a planner given another is refused, naming
+    both (it used to key silently as the planner's rank, default 0)."""
+    fa = [FA(impl, 16)]
+    with raises(ValueError, r"tp_rank=0.*tp_rank=1"):
+        impl.KeyPlanner(fa, hash_block_size=16, scheduler_block_size=16, namespace=impl.Namespace("m", tp_rank=1), tp_size=2, tp_rank=0)
+    with raises(ValueError, r"pp_rank=2.*pp_rank=1"):
+        impl.KeyPlanner(fa, hash_block_size=16, scheduler_block_size=16, namespace=impl.Namespace("m", pp_rank=1), pp_rank=2)
+    # The Namespace's rank must fit tp_size like the planner's own.
+    with raises(ValueError, r"tp_rank=1.*tp_size=1"):
+        impl.KeyPlanner(fa, hash_block_size=16, scheduler_block_size=16, namespace=impl.Namespace("m", tp_rank=1))
+    with raises(ValueError, r"pp_rank=1.*Namespace"):
+        impl.KeyPlanner(fa, hash_block_size=16, scheduler_block_size=16, namespace="ns", pp_rank=1)
+    with raises(ValueError, r"pp_rank"):
+        impl.KeyPlanner(fa, hash_block_size=16, scheduler_block_size=16, namespace=impl.Namespace("m"), pp_rank=-1)
+
+
 def test_planner_wrong_namespace_type(impl):
     with pytest.raises(TypeError):
         impl.KeyPlanner([FA(impl, 16)], hash_block_size=16, scheduler_block_size=16, namespace=3)

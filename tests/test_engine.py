@@ -230,7 +230,7 @@ class Spy:
 def spy_rig(factory, mix="fa", **kwargs):
     inner = EmbeddedStore(64 << 20, slot_bytes=64 << 10)  # through the protocol: staged
     spy = Spy(inner)
-    return factory(mix, store=spy, **kwargs), spy
+    return factory(mix, store=spy, register=True, **kwargs), spy
 
 
 # ---- round trips ------------------------------------------------------------------------
@@ -547,7 +547,7 @@ def test_missing_destination_fails_the_whole_load(rig_factory):
 
 
 def test_lookups_from_threads_while_the_worker_saves_and_loads(rig_factory):
-    rig = rig_factory("fa+mamba", pool_bytes=64 << 10)  # small pool: jobs split into batches
+    rig = rig_factory("fa+mamba")  # the embedded store copies blocks itself (staging: test_staging_*.py)
     reqs = [rig.source_request(100 + 10 * i) for i in range(6)]
     expected = {i: (100 + 10 * i) // 16 * 16 for i in range(6)}
     errors, seen = [], []
@@ -688,3 +688,78 @@ def test_finished_request_is_not_resurrected_by_a_queued_save(rig_factory):
     rig.engine.finish_request("r")
     assert rig.engine.wait_idle(10)
     assert rig.engine.saved_offset("r") == 0 and "r" not in rig.engine._requests
+
+
+def test_load_completing_after_finish_request_leaves_no_state(rig_factory):
+    """B8(a): a load that completes after its request was aborted (``finish_request``) does
+    not re-create the request's state: 100 aborted requests leave none behind."""
+    rig, spy = spy_rig(rig_factory, "fa")
+    tokens, hashes, tables, _ = rig.source_request(64)
+    assert not rig.run(saves=[SaveRequest("r", hashes, tables, 64)]).saves_failed
+    rig.engine.finish_request("r")
+    spy.delay = 0.2  # the load is still in flight when the requests are aborted
+    dst = rig.destination(64)
+    rig.engine.submit(loads=[LoadRequest(f"aborted-{i}", hashes, dst, 64) for i in range(100)])
+    for i in range(100):
+        rig.engine.finish_request(f"aborted-{i}")
+    assert rig.engine.wait_idle(30)
+    assert rig.engine.counters["loads_ok"] == 100
+    assert rig.engine._requests == {}
+
+
+def test_saved_offset_after_a_load_comes_from_the_core(rig_factory):
+    """A loaded request's saves start where the core says (its last scheduler block)."""
+    rig = rig_factory("fa+mamba")
+    n = 150
+    tokens, hashes, tables, handoffs = rig.source_request(n)
+    rig.run(saves=[SaveRequest("r", hashes, tables, n, handoffs)])
+    hit = rig.engine.lookup([("q", hashes, n)])["q"]
+    assert hit == 144 and rig.planner.saved_offset_after_load(hit) == 128
+    assert not rig.run(loads=[LoadRequest("q", hashes, rig.destination(n), hit)]).loads_failed
+    assert rig.engine.saved_offset("q") == 128
+
+
+@pytest.mark.parametrize("mix, first_group", [("fa+mamba", 1), ("fa+swa", 1)])
+def test_blocks_valid_only_in_their_step_are_staged_first(rig_factory, mix, first_group):
+    """Partial-tail hand-offs and window-group blocks are freed or reused after their step:
+    a save plan lists them before full-attention blocks, so a step that runs out of staging
+    room defers only blocks that stay valid."""
+    rig = rig_factory(mix)
+    tokens, hashes, tables, handoffs = rig.source_request(200)
+    states = rig.engine.request_states(["r"])
+    entries, owners, ends, failed = rig.engine.plan_saves(
+        [SaveRequest("r", hashes, tables, 200, handoffs)], states, lambda keys: [False] * len(keys)
+    )
+    groups = [g for _, g, _ in entries]
+    assert groups[0] == first_group and 0 in groups
+    assert groups == sorted(groups, key=lambda g: g != first_group)  # all of them first
+
+
+def test_deferred_step_counts_its_dropped_tail(rig_factory):
+    """A step whose staging room is held by an earlier step is deferred whole; its partial
+    tail (a hand-off block, valid only in that step) is counted as dropped, never stored, and
+    the normal save is stored by the request's next step."""
+    rig, spy = spy_rig(rig_factory, "fa+mamba", pool_bytes=4096)  # saves: 3 KiB, batches of 5 FA blocks
+    assert rig.pool.share("save") == 3072
+
+    def slow_put(keys, buffers):
+        time.sleep(0.5)
+        return spy.inner.put(keys, buffers)
+
+    spy.put_hook = slow_put
+    _, a_hashes, a_tables, _ = rig.source_request(192)  # 12 FA blocks of 256 B: the whole save share
+    rig.engine.submit(saves=[SaveRequest("a", a_hashes, a_tables, 192)])
+    _, hashes, tables, handoffs = rig.source_request(150)
+    assert handoffs
+    rig.engine.submit(saves=[SaveRequest("b", hashes, tables, 150, handoffs)])
+    assert rig.engine.wait_idle(30)
+    done = rig.engine.get_finished()
+    assert done.saves_deferred == {"b"} and not done.saves_failed
+    assert rig.engine.counters["saves_deferred"] == 1 and rig.engine.counters["tails_dropped"] == 1
+    tail_keys = {k for k, _, _ in rig.planner.plan_tail(hashes, tables, handoffs).puts}
+    spy.put_hook = None
+    assert not rig.run(saves=[SaveRequest("b", hashes, tables, 150)]).saves_failed
+    put_keys = {k for keys in spy.ops("put") for k in keys}
+    assert put_keys >= {k for k, _, _ in rig.planner.plan_save(hashes, tables, 150).puts}
+    assert not put_keys & (tail_keys - {k for k, _, _ in rig.planner.plan_save(hashes, tables, 150).puts})
+    assert rig.engine.saved_offset("b") == 128

@@ -267,6 +267,33 @@ def test_namespace_key_in_planner(impl):
     assert p.key(0, h) == "c@model@fp:fp1@tp_rank:0@pcp0@dcp0@pp_rank:0@group:0@" + "00" * 32
 
 
+def test_planner_keys_as_the_namespace_rank(impl):
+    """B1: a planner not given tp_rank / pp_rank keys as its Namespace's ranks (it used to key
+    every rank as tp_rank:0, so TP ranks overwrote each other's head shards)."""
+    h = bytes(range(32))
+    fa = [FA(impl, 16)]
+    for rank in range(2):
+        ns = impl.Namespace("m", fingerprint="ab", tp_rank=rank, pp_rank=3)
+        p = impl.KeyPlanner(fa, hash_block_size=16, scheduler_block_size=16, namespace=ns, tp_size=2)
+        assert p.key(0, h) == f"m@fp:ab@tp_rank:{rank}@pcp0@dcp0@pp_rank:3@group:0@{h.hex()}"
+        # The same rank given on both sides is fine; a rank given to the planner alone too.
+        both = impl.KeyPlanner(fa, hash_block_size=16, scheduler_block_size=16, namespace=ns, tp_size=2, tp_rank=rank, pp_rank=3)
+        assert both.key(0, h) == p.key(0, h)
+        alone = impl.KeyPlanner(fa, hash_block_size=16, scheduler_block_size=16, namespace=impl.Namespace("m", fingerprint="ab"), tp_size=2, tp_rank=rank, pp_rank=3)
+        assert alone.key(0, h) == p.key(0, h)
+    # Neither side names a rank: 0.
+    p0 = impl.KeyPlanner(fa, hash_block_size=16, scheduler_block_size=16, namespace=impl.Namespace("m"), tp_size=2)
+    assert p0.key(0, h).startswith("m@tp_rank:0@pcp0@dcp0@pp_rank:0@")
+    assert str(impl.Namespace("m")) == "m@tp_rank:0@pcp0@dcp0@pp_rank:0"
+
+
+def test_saved_offset_after_load(impl):
+    """B10: after a load of m tokens a request's saves start at floor(m / S) * S."""
+    p = impl.KeyPlanner([FA(impl, 16), MAMBA(impl, 64)], hash_block_size=16, scheduler_block_size=64, namespace="ns")
+    assert p.alignment == 16
+    assert [p.saved_offset_after_load(m) for m in (0, 48, 64, 112, 128)] == [0, 0, 64, 64, 128]
+
+
 def test_tp_replication_mla_gqa_mamba(impl):
     # T-W test_group_tp_replication_factors_mixed_mla_gqa_mamba: factors (4, 2, 1)
     groups = [MLA(impl, 16), FA(impl, 16, num_kv_heads=2), MAMBA(impl, 16)]

@@ -1,13 +1,19 @@
 """kvstride.transfer: batched gather / scatter between KV tensors and the staging pool."""
 
+import ctypes
 import random
 
 import pytest
 import torch
 
 import kvdata
+from kvstride import _core
+from kvstride.engine import LoadRequest, OffloadEngine, SaveRequest
 from kvstride.layout import KVLayout
+from kvstride.stores import Status
 from kvstride.transfer import StagingPool, Transfer
+
+cuda_only = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 
 def _pick_blocks(layout, per_group=5, seed=0):
@@ -171,7 +177,7 @@ def test_copies_are_batched_not_per_block(monkeypatch):
     batch.release()
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@cuda_only
 @pytest.mark.parametrize("mix", ["flash_attn", "ring_and_big", "hybrid_mamba", "mamba_raw_pages"])
 def test_round_trip_cuda(mix):
     kv, groups = kvdata.MIXES[mix]()
@@ -237,3 +243,81 @@ def test_gather_digests_and_checked_scatter(mix):
                 v = kv[name]
                 for t in [v] if isinstance(v, torch.Tensor) else v:
                     assert not kvdata.block_bytes_of(t, b).any()
+
+
+class BytesStore:
+    """A store that keeps a copy of each value's bytes (read from the staging parts at put)."""
+
+    def __init__(self) -> None:
+        self.values = {}
+
+    def exists(self, keys):
+        return [k in self.values for k in keys]
+
+    def put(self, keys, buffers):
+        for key, parts in zip(keys, buffers):
+            self.values[key] = b"".join(ctypes.string_at(addr, size) for addr, size in parts)
+        return [Status.OK] * len(keys)
+
+    def get(self, keys, buffers):
+        for key, parts in zip(keys, buffers):
+            value, pos = self.values[key], 0
+            for addr, size in parts:
+                ctypes.memmove(addr, value[pos : pos + size], size)
+                pos += size
+        return [Status.OK] * len(keys)
+
+
+def _cuda_engine():
+    kv = torch.randn(80, 2, 16, 4, 32, device="cuda", dtype=torch.float16)
+    layout = KVLayout({"attn": kv}, [["attn"]])
+    planner = _core.KeyPlanner([_core.GroupSpec("full_attention", 16)], hash_block_size=16, scheduler_block_size=16, namespace="cuda")
+    store = BytesStore()
+    engine = OffloadEngine(planner, Transfer(layout, StagingPool(4 << 20)), store)
+    hashes = _core.BlockHasher("sha256_cbor", seed="0").hash_blocks(list(range(1, 32 * 16 + 1)), 16)
+    return kv, planner, store, engine, hashes
+
+
+def _block(kv, b) -> bytes:
+    return kv[b].contiguous().view(torch.uint8).cpu().numpy().tobytes()
+
+
+@cuda_only
+def test_cuda_save_is_read_before_the_caller_rewrites_its_blocks():
+    """B4: ``submit`` makes the caller's stream wait for the save gathers, so KV written right
+    after it returns (no fence wait, no host sync) never reaches the store. The gathers are held
+    back on the side stream to make the race certain."""
+    kv, planner, store, engine, hashes = _cuda_engine()
+    table = list(range(1, 33))
+    want = {key: _block(kv, b) for key, _, b in planner.plan_save(hashes, [table], 32 * 16).puts}
+    caller = torch.cuda.Stream()
+    with torch.cuda.stream(engine.transfer.stream):
+        torch.cuda._sleep(200_000_000)  # the side stream is busy: the gathers run late
+    with torch.cuda.stream(caller):
+        engine.submit(saves=[SaveRequest("r", hashes, [table], 32 * 16)])
+        kv.zero_()  # the next step's writes, queued on the caller's stream at once
+    assert engine.wait_idle(60) and not engine.get_finished().saves_failed
+    assert store.values.keys() == want.keys()
+    assert all(store.values[key] == value for key, value in want.items())
+    engine.shutdown()
+
+
+@cuda_only
+def test_cuda_load_writes_after_the_callers_pending_work():
+    """B4: a load's scatter runs on the load lane's thread, but after the work the caller's
+    stream had queued when it submitted the load (here: writes to the destination blocks)."""
+    kv, planner, store, engine, hashes = _cuda_engine()
+    table = list(range(1, 33))
+    engine.submit(saves=[SaveRequest("r", hashes, [table], 32 * 16)])
+    assert engine.wait_idle(60) and not engine.get_finished().saves_failed
+    want = [_block(kv, b) for b in table]
+    dst = list(range(40, 72))
+    caller = torch.cuda.Stream()
+    with torch.cuda.stream(caller):
+        torch.cuda._sleep(200_000_000)  # the caller's stream is busy ...
+        kv.index_fill_(0, torch.tensor(dst, device="cuda"), 0)  # ... then writes the destinations
+        engine.submit(loads=[LoadRequest("q", hashes, [dst], 32 * 16)])
+    assert engine.wait_idle(60) and not engine.get_finished().loads_failed
+    torch.cuda.synchronize()
+    assert [_block(kv, b) for b in dst] == want
+    engine.shutdown()

@@ -76,7 +76,9 @@ def stride_keys(
 ) -> list[bytes]: ...
 
 class Namespace:
-    """``[cache_prefix@]model[@fp:{fingerprint}]@tp_rank:{t}@pcp{p}@dcp{d}@pp_rank:{pp}``"""
+    """``[cache_prefix@]model[@fp:{fingerprint}]@tp_rank:{t}@pcp{p}@dcp{d}@pp_rank:{pp}``
+
+    A TP or PP rank left None is the KeyPlanner's to give (it reads as 0 in the text)."""
 
     def __init__(
         self,
@@ -84,10 +86,10 @@ class Namespace:
         *,
         cache_prefix: Optional[str] = None,
         fingerprint: Optional[str] = None,
-        tp_rank: int = 0,
+        tp_rank: Optional[int] = None,
         pcp_rank: int = 0,
         dcp_rank: int = 0,
-        pp_rank: int = 0,
+        pp_rank: Optional[int] = None,
     ) -> None: ...
     def text(self, tp_rank: Optional[int] = None, dcp_rank: Optional[int] = None) -> str:
         """The namespace string, optionally with another key tp_rank / dcp_rank. Empty
@@ -125,8 +127,12 @@ class KeyPlanner:
         partial_hits: Optional[bool] = None,
         dcp: int = 1,
         tp_size: int = 1,
-        tp_rank: int = 0,
-    ) -> None: ...
+        tp_rank: Optional[int] = None,
+        pp_rank: Optional[int] = None,
+    ) -> None:
+        """``tp_rank`` / ``pp_rank``: this rank, given here or in the Namespace (None on both
+        sides: 0). Given on both sides they must agree, else ``ValueError``. A str namespace
+        takes no ``pp_rank`` (its text carries one)."""
     hashes_per_block: list[int]
     hash_block_size: int
     scheduler_block_size: int
@@ -171,6 +177,9 @@ class KeyPlanner:
         *,
         local_tokens: int = 0,
     ) -> LoadPlan: ...
+    def saved_offset_after_load(self, hit_tokens: int) -> int:
+        """A request's saved offset once a load of ``hit_tokens`` completed:
+        ``hit_tokens // S * S`` (its saves start there)."""
 
 def dedup_gets(gets: Sequence[tuple[str, int, int]]) -> tuple[list[str], list[list[int]]]:
     """Unique keys in first-seen order, and for each the indices of ``gets`` it feeds."""

@@ -19,6 +19,7 @@ Only ``cbor2``, ``hashlib`` and ``xxhash`` (for ``xxhash_cbor``) are needed; ``n
 accepted as input but never required.
 """
 
+import copy
 import hashlib
 import math
 import operator
@@ -455,8 +456,22 @@ def stride_keys(block_hashes: Sequence[bytes], hashes_per_chunk: int, start_chun
     return [_bytes("block hash", x) for x in islice(block_hashes, start * k + k - 1, None, k)]
 
 
+def _agreed_rank(what: str, namespace_rank: Optional[int], planner_rank: Optional[int]) -> int:
+    if namespace_rank is not None and planner_rank is not None and namespace_rank != planner_rank:
+        raise ValueError(
+            f"the KeyPlanner's {what}={planner_rank} disagrees with its Namespace's {what}={namespace_rank}: "
+            "give the rank once (in the Namespace or to the planner), or the same in both"
+        )
+    for rank in (planner_rank, namespace_rank):
+        if rank is not None:
+            return rank
+    return 0
+
+
 class Namespace:
-    """``[cache_prefix@]model[@fp:{fingerprint}]@tp_rank:{t}@pcp{p}@dcp{d}@pp_rank:{pp}``"""
+    """``[cache_prefix@]model[@fp:{fingerprint}]@tp_rank:{t}@pcp{p}@dcp{d}@pp_rank:{pp}``
+
+    A TP or PP rank left None is the planner's to give (it reads as 0 in the text)."""
 
     def __init__(
         self,
@@ -464,10 +479,10 @@ class Namespace:
         *,
         cache_prefix: Optional[str] = None,
         fingerprint: Optional[str] = None,
-        tp_rank: int = 0,
+        tp_rank: Optional[int] = None,
         pcp_rank: int = 0,
         dcp_rank: int = 0,
-        pp_rank: int = 0,
+        pp_rank: Optional[int] = None,
     ) -> None:
         if not isinstance(model, str):
             raise TypeError(f"model must be a str, got {type(model).__name__}")
@@ -478,14 +493,23 @@ class Namespace:
         self.model = model
         self.cache_prefix = cache_prefix
         self.fingerprint = fingerprint
-        self.tp_rank = _non_negative_int("tp_rank", tp_rank)
+        self.tp_rank = None if tp_rank is None else _non_negative_int("tp_rank", tp_rank)
         self.pcp_rank = _non_negative_int("pcp_rank", pcp_rank)
         self.dcp_rank = _non_negative_int("dcp_rank", dcp_rank)
-        self.pp_rank = _non_negative_int("pp_rank", pp_rank)
+        self.pp_rank = None if pp_rank is None else _non_negative_int("pp_rank", pp_rank)
+
+    def with_ranks(self, tp_rank: Optional[int], pp_rank: Optional[int]) -> "Namespace":
+        """A copy with the planner's ranks set: a rank given on one side only is taken from
+        there; given on both, they must agree (a silent pick would key one rank's shard under
+        another rank's name)."""
+        out = copy.copy(self)
+        out.tp_rank = _agreed_rank("tp_rank", self.tp_rank, tp_rank)
+        out.pp_rank = _agreed_rank("pp_rank", self.pp_rank, pp_rank)
+        return out
 
     def text(self, tp_rank: Optional[int] = None, dcp_rank: Optional[int] = None) -> str:
         """The namespace string, optionally with another key tp_rank / dcp_rank."""
-        t = self.tp_rank if tp_rank is None else _non_negative_int("tp_rank", tp_rank)
+        t = (self.tp_rank or 0) if tp_rank is None else _non_negative_int("tp_rank", tp_rank)
         d = self.dcp_rank if dcp_rank is None else _non_negative_int("dcp_rank", dcp_rank)
         out = ""
         if self.cache_prefix:  # vLLM: [cache_prefix + "@"] only when the prefix is non-empty
@@ -493,7 +517,7 @@ class Namespace:
         out += self.model
         if self.fingerprint:
             out += f"@fp:{self.fingerprint}"
-        out += f"@tp_rank:{t}@pcp{self.pcp_rank}@dcp{d}@pp_rank:{self.pp_rank}"
+        out += f"@tp_rank:{t}@pcp{self.pcp_rank}@dcp{d}@pp_rank:{self.pp_rank or 0}"
         return out
 
     def __str__(self) -> str:
@@ -586,15 +610,28 @@ class KeyPlanner:
         partial_hits: Optional[bool] = None,
         dcp: int = 1,
         tp_size: int = 1,
-        tp_rank: int = 0,
+        tp_rank: Optional[int] = None,
+        pp_rank: Optional[int] = None,
     ) -> None:
         groups = _check_groups(groups)
         H = _int("hash_block_size", hash_block_size)
         S = _int("scheduler_block_size", scheduler_block_size)
         dcp = _positive_int("dcp", dcp)
         tp_size = _positive_int("tp_size", tp_size)
-        tp_rank = _non_negative_int("tp_rank", tp_rank)
-        if tp_rank >= tp_size:
+        tp_rank = None if tp_rank is None else _non_negative_int("tp_rank", tp_rank)
+        pp_rank = None if pp_rank is None else _non_negative_int("pp_rank", pp_rank)
+        # The rank this planner keys as: given here, in the Namespace, or both (then equal).
+        if isinstance(namespace, Namespace):
+            namespace = namespace.with_ranks(tp_rank, pp_rank)
+            tp_rank = namespace.tp_rank
+        elif isinstance(namespace, str):
+            if pp_rank:
+                raise ValueError(
+                    f"pp_rank={pp_rank} with a fixed namespace string: the string carries its own "
+                    "pp_rank; pass a Namespace to key per PP rank"
+                )
+            tp_rank = tp_rank or 0
+        if tp_rank is not None and tp_rank >= tp_size:
             raise ValueError(f"tp_rank={tp_rank} is out of range for tp_size={tp_size}; use 0..{tp_size - 1}")
         if H <= 0:
             raise ValueError(f"hash_block_size must be a positive int, got {H}")
@@ -999,6 +1036,12 @@ class KeyPlanner:
         return self.longest_hit(block_hashes, num_tokens, present)
 
     # ---- §7 load plan -------------------------------------------------------------------
+
+    def saved_offset_after_load(self, hit_tokens: int) -> int:
+        """A request's saved offset once a load of ``hit_tokens`` completed: the loaded prefix
+        is in the store, so its saves start at the last scheduler block it covers."""
+        S = self.scheduler_block_size
+        return _non_negative_int("hit_tokens", hit_tokens) // S * S
 
     def plan_load(
         self,

@@ -8,9 +8,8 @@ calls, per engine step:
   requests, then each request's longest joint hit from the core;
 - ``submit(saves, loads)``: one step's work. Saves are planned with the core (which keys,
   which blocks) and copied out of the KV cache before it returns: straight into the embedded
-  arena's slots (the whole save), or into staging whose puts then run on the save lane; loads
-  run on the load lane, never behind a save;
-- ``pending(req_id)``: jobs of a request not finished yet (its blocks are still in use), and
+  arena's slots (the whole save), or through the staging pool batch by batch, each batch put
+  on the save lane as soon as it is copied; loads run on the load lane, never behind a save;
 - ``get_finished()``: which loads and saves completed, and the block ids whose load failed
   (the driver recomputes them).
 
@@ -18,6 +17,14 @@ Nothing raises into the driver's step at run time: store failures, divergent bou
 bugs inside a job become outcomes, counted and logged once. A request's saved offset advances
 only after every put of its save succeeded; a load whose bytes might be wrong is never
 scattered into a KV block.
+
+Staging (any store but the embedded arena): a step's saves stream through the pool's save
+share, and a step waits only for its own earlier batches to be put, never for an earlier
+step's. When earlier steps' batches hold the share and none of this step's are in flight, the
+rest of the step is deferred, not failed: counted (``saves_deferred``), its requests' planned
+offsets go back, and their next step plans those blocks again. Puts a later step may not plan
+again (partial-tail hand-offs, window-group blocks) are staged first; a tail deferred all the
+same is lost (``tails_dropped``). Loads stage in the pool's load share, which saves never take.
 """
 
 from __future__ import annotations
@@ -33,7 +40,7 @@ from typing import Dict, List, Optional, Sequence, Tuple, Union
 from kvstride._core import KeyPlanner
 from kvstride.layout import KVLayout
 from kvstride.stores import KVStore, Status
-from kvstride.transfer import StagingPool, Transfer
+from kvstride.transfer import ALIGNMENT, Fence, StagedBatch, StagingPool, Transfer
 
 __all__ = ["SaveRequest", "LoadRequest", "Finished", "OffloadEngine"]
 
@@ -70,13 +77,15 @@ class Finished:
     loads_failed: Dict[str, set] = field(default_factory=dict)  # req id -> failed (group, block_id)
     saves_done: set = field(default_factory=set)  # req ids whose save job finished: blocks free
     saves_failed: set = field(default_factory=set)  # req ids with a put that did not succeed
+    saves_deferred: set = field(default_factory=set)  # req ids with puts left to a later step
 
 
 class _RequestState:
     """A request's saved offsets: ``offset`` is confirmed (every put below it succeeded),
     ``planned`` is where the next save plan starts (puts in flight included). A job captures
-    the object at submit time, so a save that completes after ``finish_request`` updates a
-    detached object (never a later request that reuses the id, and never a leaked entry)."""
+    the object at submit time, so a save or a load that completes after ``finish_request``
+    updates a detached object (never a later request that reuses the id, and never a leaked
+    entry)."""
 
     __slots__ = ("offset", "planned")
 
@@ -89,20 +98,35 @@ class _RequestState:
 class _LoadJob:
     step: int
     loads: List[LoadRequest]
+    states: List[_RequestState]  # one per load, captured at submit
+    after: object = None  # CUDA: an event on the caller's stream that the scatters follow
 
 
 @dataclass
 class _SaveJob:
-    """A step's saves, planned and already copied out of the KV cache: only store puts are
-    left, so the blocks may be freed or reused as soon as ``submit`` returns."""
+    """A step's saves. Their blocks are copied out of the KV cache before ``submit`` returns,
+    batch by batch; the save lane puts each batch (``_PutBatch``)."""
 
     step: int
     saves: List[SaveRequest]
     states: List[_RequestState]  # one per save
     ends: List[int]  # the save end of each save
-    batches: list  # [(entries [(key, group, block_id)], StagedBatch, Fence of its gather)]
-    owners: Dict[str, List[str]]  # key -> req ids waiting for it
-    failed: set  # req ids that already failed while planning or staging
+    owners: Dict[str, List[str]] = field(default_factory=dict)  # key -> req ids waiting for it
+    failed: set = field(default_factory=set)  # req ids with a put that failed or was refused
+    deferred: set = field(default_factory=set)  # req ids with puts left to a later step
+    tail_keys: set = field(default_factory=set)  # keys only partial tails name
+    in_flight: int = 0  # batches handed to the save lane and not put yet
+    staging: bool = True  # submit is still copying batches
+
+
+@dataclass
+class _PutBatch:
+    """One staged batch of a save job, for the save lane to put and release."""
+
+    job: _SaveJob
+    entries: List[Tuple[str, int, int]]  # (key, group, block_id)
+    batch: StagedBatch
+    fence: Fence  # of its gather
 
 
 _STOP = object()
@@ -117,7 +141,8 @@ class OffloadEngine:
     ``transfer``: how blocks reach the store. A store that copies blocks itself (the embedded
     arena, ``EmbeddedStore``) takes the ``KVLayout`` alone and is bound to it: one copy per
     block each way, no staging. Any other store (Mooncake) takes a :class:`Transfer` (copies
-    between the KV tensors and a staging pool its buffers are registered from). None: planning
+    between the KV tensors and a staging pool its buffers are registered from; one block of
+    every keyed group must fit each of the pool's shares, else ``ValueError``). None: planning
     and lookups only (a scheduler with no KV tensors)."""
 
     def __init__(
@@ -153,6 +178,10 @@ class OffloadEngine:
                 f"{type(store).__name__} needs staging buffers: pass Transfer(layout, StagingPool(nbytes)) "
                 "instead of the layout"
             )
+        if self.transfer is not None and not self.direct:
+            # Per group, what staging adds to its blocks' bytes at most (aligned piece arrays).
+            self._alignment_slack = [ALIGNMENT * len(g.pieces) for g in self.layout.groups]
+            self._batch_bytes = self._staging_limits()
         self.counters: collections.Counter = collections.Counter()
         # Per operation: the latest durations (bounded: the engine runs for the server's
         # lifetime) for percentiles, and the total seconds for rates.
@@ -169,8 +198,8 @@ class OffloadEngine:
         # Two lanes: a load never waits behind saves, a save never behind loads.
         self._load_queue: "queue.Queue" = queue.Queue()
         self._save_queue: "queue.Queue" = queue.Queue()
-        self._pending: collections.Counter = collections.Counter()  # req id -> jobs not done
-        self._pool_freed = threading.Condition(self._lock)  # a save job released staging
+        self._pool_freed = threading.Condition(self._lock)  # a staged batch was released
+        self._releases = 0  # staged batches released so far: a waiter sees room come back
         self._step = 0
         self._closed = False
         self._workers = [
@@ -179,6 +208,23 @@ class OffloadEngine:
         ]
         for worker in self._workers:
             worker.start()
+
+    def _staging_limits(self) -> Dict[str, int]:
+        """Bytes per staged batch of each lane, once one block of every group the planner
+        keys is known to fit each lane's share of the pool (else none of it could ever be
+        saved or loaded). A save batch takes at most half the save share, so one batch is
+        copied while the one before it is put."""
+        pool, layout = self.pool, self.layout
+        keyed = [g for g in range(len(layout.groups)) if self.planner.hashes_per_block[g]]
+        largest = max((self.transfer.staged_bytes([(g, 0)]) for g in keyed), default=0)
+        for lane in ("save", "load"):
+            if pool.share(lane) < largest:
+                raise ValueError(
+                    f"the {pool.capacity}-byte staging pool gives {lane}s {pool.share(lane)} bytes, less "
+                    f"than one block ({largest} bytes): size it with "
+                    "kvstride.transfer.staging_bytes_for(layout, tokens_per_step, planner)"
+                )
+        return {"save": max(largest, pool.share("save") // 2), "load": pool.share("load")}
 
     # ---- bookkeeping ---------------------------------------------------------------------
 
@@ -204,15 +250,9 @@ class OffloadEngine:
             state = self._requests.get(req_id)
             return state.offset if state is not None else 0
 
-    def pending(self, req_id: str) -> int:
-        """Load and save jobs of ``req_id`` submitted and not finished yet: while it is not 0,
-        the request's blocks may still be read or written."""
-        with self._lock:
-            return self._pending.get(req_id, 0)
-
     def finish_request(self, req_id: str) -> None:
-        """Forget a finished or preempted request (its next save starts from 0). Save jobs of
-        it still queued run, but no longer move any offset."""
+        """Forget a finished or preempted request (its next save starts from 0). Its jobs
+        still queued run, but no longer move any offset."""
         with self._lock:
             self._requests.pop(req_id, None)
 
@@ -292,9 +332,12 @@ class OffloadEngine:
         Saves are planned and their blocks copied out of the KV cache before this returns
         (only the store puts run later, on the save lane), so the caller may free or reuse the
         blocks right after: vLLM guarantees a hand-off block, or a block that leaves a sliding
-        window, only until the end of the step that offered it. Loads run on the load lane and
-        write only their destination blocks. After ``shutdown`` the work is refused: loads are
-        reported failed, saves not done."""
+        window, only until the end of the step that offered it. On CUDA the copies run on a
+        side stream that the caller's current stream is made to wait for (no host sync).
+        Saves that find the staging pool held by earlier steps are deferred (module
+        docstring). Loads run on the load lane after the work queued so far on the caller's
+        stream, and write only their destination blocks. After ``shutdown`` the work is
+        refused: loads are reported failed, saves not done."""
         saves, loads = list(saves), list(loads)
         with self._lock:  # the closed check and the enqueue are one step: no job is lost
             self._step += 1
@@ -309,48 +352,29 @@ class OffloadEngine:
                     self._finished.saves_failed.add(save.req_id)
                 return step
             if loads:
-                self._enqueue(self._load_queue, _LoadJob(step, loads), [l.req_id for l in loads])
+                states = [self._requests.setdefault(load.req_id, _RequestState()) for load in loads]
+                after = None if self.transfer is None else self.transfer.current_stream_event()
+                self._load_queue.put(_LoadJob(step, loads, states, after))
             if not saves:
                 return step
             states = [self._requests.setdefault(save.req_id, _RequestState()) for save in saves]
-            # Counted before staging, so a request never looks idle while its blocks are read.
-            for rid in {save.req_id for save in saves}:
-                self._pending[rid] += 1
-        job = _SaveJob(step, saves, states, [0] * len(saves), [], {}, set())
+        job = _SaveJob(step, saves, states, [0] * len(saves))
         try:
             if self.direct:  # the copy into the store is the whole save
                 self._save_direct(job)
-                self._finish_saves(job)
-                return step
-            self._stage_saves(job)
+            else:
+                self._stage_saves(job)
         except Exception as err:  # never into the driver: fail these saves, keep going
             self._log_once("save-bug", "save job of step %d failed: %r", step, err)
             self.count("save_job_errors")
-            self._release(job)
-            self._finish_saves(job, failed_all=True)
-            return step
+            with self._lock:
+                job.failed.update(save.req_id for save in saves)
         with self._lock:
-            if self._closed:  # shut down while staging: nothing may reach the store now
-                self.counters["refused_after_shutdown"] += len(saves)
-                self._release(job)
-                self._finish_saves(job, failed_all=True)
-                return step
-            self._save_queue.put(job)
+            job.staging = False
+            finished = not job.in_flight
+        if finished:
+            self._finish_saves(job)
         return step
-
-    def _enqueue(self, lane: "queue.Queue", job, req_ids) -> None:
-        for rid in set(req_ids):
-            self._pending[rid] += 1
-        lane.put(job)
-
-    def _done(self, req_ids) -> None:
-        """(under the lock) One job of each of ``req_ids`` finished."""
-        for rid in set(req_ids):
-            left = self._pending[rid] - 1
-            if left > 0:
-                self._pending[rid] = left
-            else:
-                self._pending.pop(rid, None)
 
     def get_finished(self) -> Finished:
         with self._lock:
@@ -392,23 +416,24 @@ class OffloadEngine:
 
     def _run(self, lane: "queue.Queue") -> None:
         while True:
-            job = lane.get()
+            item = lane.get()
             try:
-                if job is _STOP:
+                if item is _STOP:
                     return
-                if isinstance(job, _LoadJob):
-                    self._execute_load(job)
+                if isinstance(item, _LoadJob):
+                    self._execute_load(item)
                 else:
-                    self._execute_save(job)
+                    self._execute_put(item)
             except Exception as err:  # the job's own error reporting failed: keep the lane
-                self._log_once("worker-bug", "job of step %d could not be reported: %r", job.step, err)
+                step = item.step if isinstance(item, _LoadJob) else item.job.step
+                self._log_once("worker-bug", "job of step %d could not be reported: %r", step, err)
                 self.count("worker_errors")
             finally:
                 lane.task_done()
 
     def _execute_load(self, job: _LoadJob) -> None:
         try:
-            self._load(job.loads)
+            self._load(job)
         except Exception as err:  # never into the driver: fail the loads, keep going
             self._log_once("load-bug", "load job of step %d failed: %r", job.step, err)
             self.count("load_job_errors")
@@ -416,20 +441,23 @@ class OffloadEngine:
                 for load in job.loads:
                     self._finished.loads_done.add(load.req_id)
                     self._finished.loads_failed[load.req_id] = self._all_blocks(load)
-        finally:
-            with self._lock:
-                self._done(load.req_id for load in job.loads)
 
-    def _execute_save(self, job: _SaveJob) -> None:
+    def _execute_put(self, item: _PutBatch) -> None:
+        job = item.job
         try:
-            self._put(job)
-        except Exception as err:
+            self._put(item)
+        except Exception as err:  # never into the driver: fail the batch's saves, keep going
             self._log_once("save-bug", "save job of step %d failed: %r", job.step, err)
             self.count("save_job_errors")
-            job.failed.update(save.req_id for save in job.saves)
+            with self._lock:
+                job.failed.update(rid for key, _, _ in item.entries for rid in job.owners[key])
         finally:
-            self._release(job)
-            self._finish_saves(job)
+            self._release_batch(item.batch)
+            with self._lock:
+                job.in_flight -= 1
+                finished = not job.in_flight and not job.staging
+            if finished:
+                self._finish_saves(job)
 
     @staticmethod
     def _all_blocks(load: LoadRequest) -> set:
@@ -443,44 +471,54 @@ class OffloadEngine:
             return block_id > 0
         return 0 <= group < len(self._num_blocks) and 0 < block_id < self._num_blocks[group]
 
-    def _stage_or_wait(self, blocks, wait: bool):
-        """Staging room for ``blocks``; while the save lane still holds room, wait for it to
-        release some (``wait``), else None."""
+    def _stage_run(self, entries: List[Tuple[str, int, int]], start: int, lane: str, room_coming):
+        """Stage the longest run of ``entries`` from ``start`` that fits one batch of ``lane``,
+        as (end, StagedBatch). While nothing fits, wait for a staged batch to be released as
+        long as ``room_coming()`` (called under the lock) says one will be; else (start, None)."""
+        end, nbytes, groups = start, 0, set()
+        while end < len(entries):  # a bound on the staged bytes of entries[start:end + 1]
+            group = entries[end][1]
+            more = self._block_bytes[group] + (0 if group in groups else self._alignment_slack[group])
+            if end > start and nbytes + more > self._batch_bytes[lane]:
+                break
+            nbytes += more
+            groups.add(group)
+            end += 1
         while True:
-            batch = self.transfer.stage(blocks)
-            if batch is not None or not wait:
-                return batch
             with self._lock:
-                if self._closed or not self._save_queue.unfinished_tasks:
-                    return None
-                self._pool_freed.wait(0.05)
-
-    def _batches(self, entries: List[Tuple[str, int, int]], *, wait: bool = False):
-        """Split ``(key, group, block_id)`` entries into runs that fit the staging pool."""
-        start = 0
-        while start < len(entries):
-            end = len(entries)
-            while True:
-                batch = self._stage_or_wait([(g, b) for _, g, b in entries[start:end]], wait)
+                releases = self._releases
+            size = end - start
+            while True:  # halve while the free room is smaller or split
+                batch = self.transfer.stage([(g, b) for _, g, b in entries[start : start + size]], lane)
                 if batch is not None:
+                    return start + size, batch
+                if size == 1:
                     break
-                if end - start == 1:
-                    raise RuntimeError(
-                        f"one block does not fit the {self.pool.capacity}-byte staging pool"
-                    )
-                end = start + (end - start) // 2
-            yield entries[start:end], batch
-            start = end
+                size //= 2
+            with self._lock:
+                while self._releases == releases:
+                    if not room_coming():
+                        return start, None
+                    self._pool_freed.wait()
 
     def plan_saves(self, saves: Sequence[SaveRequest], states: Sequence["_RequestState"], known):
         """The core's plans for ``saves`` (normal save and partial tail) from each request's
         planned offset, minus keys ``known(keys)`` says are stored; advances the planned offsets.
-        Returns (entries [(key, group, block_id)], owners {key: [req ids]}, ends, failed req ids)."""
+        Returns (entries [(key, group, block_id)], owners {key: [req ids]}, ends, failed req ids).
+        Entries a later step may not be able to plan again come first: keys only a partial tail
+        names (its hand-off blocks are valid in this step only), then window-group blocks."""
+        entries, owners, ends, failed, _ = self._plan_saves(saves, states, known)
+        return entries, owners, ends, failed
+
+    def _plan_saves(self, saves, states, known):
+        """``plan_saves``, plus the keys only partial tails name."""
         planner = self.planner
-        entries: List[Tuple[str, int, int]] = []
+        windowed = [spec.kind in ("sliding_window", "chunked_local") for spec in planner.groups]
+        ordered: List[Tuple[int, str, int, int]] = []  # (staging order, key, group, block_id)
         owners: Dict[str, List[str]] = {}
         ends: List[int] = []
         failed: set = set()
+        tail_keys: set = set()
         for save, state in zip(saves, states):
             with self._lock:
                 offset = state.planned
@@ -497,10 +535,13 @@ class OffloadEngine:
                         "is not stored (the normal save goes on)",
                         save.req_id,
                     )
+                # Keys only the tail names (hand-off states, a partial boundary block): the
+                # next step cannot plan them again.
+                normal = {key for key, _, _ in puts}
+                tail_keys.update(key for key, _, _ in tail.puts if key not in normal)
                 puts.extend(tail.puts)
             req_id = save.req_id
-            for entry in puts:
-                key, group, block_id = entry
+            for key, group, block_id in puts:
                 if not self._in_layout(group, block_id):  # a table naming blocks we do not have
                     self.count("save_bad_block")
                     self._log_once("save-bad-block", "request %s: block %d of group %d is not in the KV cache", req_id, block_id, group)
@@ -509,20 +550,23 @@ class OffloadEngine:
                 waiting = owners.get(key)
                 if waiting is None:
                     owners[key] = [req_id]
-                    entries.append(entry)
+                    order = 0 if key in tail_keys else 1 if windowed[group] else 2
+                    ordered.append((order, key, group, block_id))
                 elif req_id not in waiting:
                     waiting.append(req_id)
         with self._lock:
             for save, state, end in zip(saves, states, ends):
                 if save.req_id not in failed:
                     state.planned = max(state.planned, end)
+        ordered.sort(key=lambda entry: entry[0])  # stable: group and block order within each
+        entries = [(key, group, block_id) for _, key, group, block_id in ordered]
         if entries:
             present = [bool(p) for p in known([key for key, _, _ in entries])]
             if len(present) != len(entries):  # a short answer: put everything (puts are idempotent)
                 present = [False] * len(entries)
             self.count("put_skipped_present", sum(present))
             entries = [e for e, p in zip(entries, present) if not p]
-        return entries, owners, ends, failed
+        return entries, owners, ends, failed, tail_keys
 
     def request_states(self, req_ids: Sequence[str]) -> List["_RequestState"]:
         with self._lock:
@@ -530,12 +574,61 @@ class OffloadEngine:
 
     def _stage_saves(self, job: _SaveJob) -> None:
         """Plan ``job``'s saves with the core, drop keys the store has (one existence call),
-        and copy the remaining blocks into staging."""
+        and copy the remaining blocks into staging batch by batch, each handed to the save
+        lane at once. While the pool is full, wait for this job's own batches to be put; with
+        none of them in flight (earlier steps hold the pool) defer the rest."""
         start_time = time.perf_counter()
-        entries, job.owners, job.ends, job.failed = self.plan_saves(job.saves, job.states, self.store.exists)
-        for batch_entries, batch in self._batches(entries, wait=True):
-            job.batches.append((batch_entries, batch, self.transfer.gather(batch, digests=self._fused_digests)))
+        entries, job.owners, job.ends, job.failed, job.tail_keys = self._plan_saves(job.saves, job.states, self.store.exists)
+
+        def own_batch_in_flight() -> bool:
+            return not self._closed and job.in_flight > 0
+
+        position = 0
+        while position < len(entries):
+            end, batch = self._stage_run(entries, position, "save", own_batch_in_flight)
+            if batch is None:
+                if self._closed:
+                    self._refuse(job)
+                else:
+                    self._defer(job, entries[position:])
+                break
+            try:
+                fence = self.transfer.gather(batch, digests=self._fused_digests)
+                fence.wait_stream()  # the caller's stream writes these blocks only after the read
+            except BaseException:
+                self._release_batch(batch)
+                raise
+            with self._lock:  # the closed check and the enqueue are one step: no batch is lost
+                refused = self._closed
+                if not refused:
+                    job.in_flight += 1
+                    self._save_queue.put(_PutBatch(job, entries[position:end], batch, fence))
+            if refused:
+                self._release_batch(batch)
+                self._refuse(job)
+                break
+            position = end
         self._time("save_stage", time.perf_counter() - start_time)
+
+    def _refuse(self, job: _SaveJob) -> None:
+        """Shut down while staging: nothing more of ``job`` may reach the store."""
+        with self._lock:
+            self.counters["refused_after_shutdown"] += len(job.saves)
+            job.failed.update(save.req_id for save in job.saves)
+
+    def _defer(self, job: _SaveJob, rest: List[Tuple[str, int, int]]) -> None:
+        """Leave ``rest`` to a later step: its requests plan those blocks again from their
+        confirmed offset. Tail puts among them are lost (hand-off blocks are valid only in the
+        step that offered them)."""
+        deferred = {rid for key, _, _ in rest for rid in job.owners[key]}
+        tails_lost = {rid for key, _, _ in rest if key in job.tail_keys for rid in job.owners[key]}
+        with self._lock:
+            job.deferred |= deferred
+            for save, state in zip(job.saves, job.states):
+                if save.req_id in deferred:
+                    state.planned = state.offset
+            self.counters["saves_deferred"] += len(deferred)
+            self.counters["tails_dropped"] += len(tails_lost)
 
     def _count_outcomes(self, op: str, entries, statuses, bytes_counter: str) -> None:
         """Count ``op``'s statuses (and the bytes of the OK ones) in one go; log each failure
@@ -560,9 +653,10 @@ class OffloadEngine:
     def _count_puts(self, job: _SaveJob, entries, statuses) -> None:
         self._count_outcomes("put", entries, statuses, "bytes_stored")
         if not all(status is Status.OK for status in statuses):
-            for (key, _, _), status in zip(entries, statuses):
-                if status is not Status.OK:
-                    job.failed.update(job.owners[key])
+            with self._lock:
+                for (key, _, _), status in zip(entries, statuses):
+                    if status is not Status.OK:
+                        job.failed.update(job.owners[key])
 
     def _save_direct(self, job: _SaveJob) -> None:
         """Plan ``job``'s saves and copy their blocks straight into the store."""
@@ -574,45 +668,43 @@ class OffloadEngine:
             self._time("put", time.perf_counter() - put_start)
             self._count_puts(job, entries, statuses)
 
-    def _put(self, job: _SaveJob) -> None:
-        for batch_entries, batch, fence in job.batches:
-            fence.wait()
-            keys = [key for key, _, _ in batch_entries]
-            put_start = time.perf_counter()
-            if self._fused_digests:
-                statuses = self.store.put(keys, batch.all_parts(), digests=batch.digests)
-            else:
-                statuses = self.store.put(keys, batch.all_parts())
-            statuses = self._statuses(statuses, len(keys))
-            self._time("put", time.perf_counter() - put_start)
-            self._release_batch(batch)
-            self._count_puts(job, batch_entries, statuses)
+    def _put(self, item: _PutBatch) -> None:
+        item.fence.wait()
+        keys = [key for key, _, _ in item.entries]
+        put_start = time.perf_counter()
+        if self._fused_digests:
+            statuses = self.store.put(keys, item.batch.all_parts(), digests=item.batch.digests)
+        else:
+            statuses = self.store.put(keys, item.batch.all_parts())
+        statuses = self._statuses(statuses, len(keys))
+        self._time("put", time.perf_counter() - put_start)
+        self._release_batch(item.batch)
+        self._count_puts(item.job, item.entries, statuses)
 
-    def _release_batch(self, batch) -> None:
-        batch.release()
-        with self._lock:
-            self._pool_freed.notify_all()
+    def _release_batch(self, batch: StagedBatch) -> None:
+        """Give a staged batch's room back (once) and wake whoever waits for room."""
+        if batch.release():
+            with self._lock:
+                self._releases += 1
+                self._pool_freed.notify_all()
 
-    def _release(self, job: _SaveJob) -> None:
-        for _, batch, _ in job.batches:
-            self._release_batch(batch)
-
-    def _finish_saves(self, job: _SaveJob, failed_all: bool = False) -> None:
+    def _finish_saves(self, job: _SaveJob) -> None:
         with self._lock:
             for save, state, end in zip(job.saves, job.states, job.ends):
                 self._finished.saves_done.add(save.req_id)
-                if failed_all or save.req_id in job.failed:
+                if save.req_id in job.failed:
                     self._finished.saves_failed.add(save.req_id)
                     self.counters["saves_failed"] += 1
                     state.planned = state.offset  # the next save retries from what is stored
+                elif save.req_id in job.deferred:  # planned already went back at deferral
+                    self._finished.saves_deferred.add(save.req_id)
                 else:
                     state.offset = max(state.offset, end)
                     self.counters["saves_ok"] += 1
-            self._done(save.req_id for save in job.saves)
 
-    def _fetch(self, entries: List[Tuple[str, int, int]]):
+    def _fetch(self, entries: List[Tuple[str, int, int]], after=None):
         """Read ``entries`` into their destination blocks (only those whose status is OK are
-        written), as runs of (entries, statuses)."""
+        written; on CUDA after the event ``after``), as runs of (entries, statuses)."""
         if self.direct:
             if entries:
                 keys, groups, block_ids = zip(*entries)
@@ -621,7 +713,16 @@ class OffloadEngine:
                 self._time("get", time.perf_counter() - get_start)
                 yield entries, statuses
             return
-        for batch_entries, batch in self._batches(entries):
+
+        def saves_hold_room() -> bool:  # only a pool without a load share is shared with saves
+            return self._save_queue.unfinished_tasks > 0
+
+        position = 0
+        while position < len(entries):
+            end, batch = self._stage_run(entries, position, "load", saves_hold_room)
+            if batch is None:
+                raise RuntimeError(f"no staging room for a load in the {self.pool.capacity}-byte pool")
+            batch_entries = entries[position:end]
             try:
                 keys = [key for key, _, _ in batch_entries]
                 get_start = time.perf_counter()
@@ -638,17 +739,18 @@ class OffloadEngine:
                 else:
                     statuses = self._statuses(self.store.get(keys, batch.all_parts()), len(keys))
                     self._time("get", time.perf_counter() - get_start)
-                    self.transfer.scatter(batch, ok=[status is Status.OK for status in statuses]).wait()
+                    self.transfer.scatter(batch, ok=[status is Status.OK for status in statuses], after=after).wait()
             finally:
-                batch.release()
+                self._release_batch(batch)
             yield batch_entries, statuses
+            position = end
 
-    def _load(self, loads: List[LoadRequest]) -> None:
+    def _load(self, job: _LoadJob) -> None:
         start_time = time.perf_counter()
         entries: List[Tuple[str, int, int]] = []
         owner: List[str] = []
         failed: Dict[str, set] = {}
-        for load in loads:
+        for load in job.loads:
             plan = self.planner.plan_load(
                 load.block_hashes, load.block_ids, load.hit_tokens, local_tokens=load.local_tokens
             )
@@ -666,15 +768,14 @@ class OffloadEngine:
                 entries.append(entry)
                 owner.append(load.req_id)
         position = 0
-        for batch_entries, statuses in self._fetch(entries):
+        for batch_entries, statuses in self._fetch(entries, job.after):
             self._count_outcomes("get", batch_entries, statuses, "bytes_loaded")
             for i, ((key, group, block_id), status) in enumerate(zip(batch_entries, statuses)):
                 if status is not Status.OK:
                     failed.setdefault(owner[position + i], set()).add((group, block_id))
             position += len(batch_entries)
-        aligned = self.planner.scheduler_block_size
         with self._lock:
-            for load in loads:
+            for load, state in zip(job.loads, job.states):
                 self._finished.loads_done.add(load.req_id)
                 if load.req_id in failed:
                     self._finished.loads_failed[load.req_id] = failed[load.req_id]
@@ -682,8 +783,8 @@ class OffloadEngine:
                 else:
                     self.count("loads_ok")
                     # The loaded prefix is in the store: this request's saves start after it.
-                    state = self._requests.setdefault(load.req_id, _RequestState())
-                    done_to = load.hit_tokens // aligned * aligned
+                    # (The state captured at submit: a finished request's is detached.)
+                    done_to = self.planner.saved_offset_after_load(load.hit_tokens)
                     state.offset = max(state.offset, done_to)
                     state.planned = max(state.planned, done_to)
         self._time("load_job", time.perf_counter() - start_time)

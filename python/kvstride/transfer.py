@@ -6,14 +6,17 @@ each group's entries out piece-major: for piece ``j`` of the group, the ``n`` bl
 are one contiguous ``(n, size_j)`` array.  So one block's stored payload is a list of
 ``(address, size)`` parts (one row of each piece array) -- exactly what
 Mooncake's ``batch_*_multi_buffers`` calls and the embedded store take -- and the copies are
-one ``index_select`` (gather) or ``index_copy_`` (scatter) per piece and group, whatever the
-number of blocks.  Never one Python call per block.
+batched per piece and group, whatever the number of blocks.  Never one Python call per block.
 
-On CUDA the copies run on a side stream: the side stream first waits for the current stream
-(the KV was written there), device -> host goes through a device-side gather into a temporary
-then one ``copy_(non_blocking=True)`` into pinned memory; host -> device is the reverse.  The
-returned :class:`Fence` holds a CUDA event.  On CPU the same code runs synchronously and the
-fence is already complete.
+The pool has a share for loads that saves cannot take (``StagingPool(load_bytes=...)``), so
+saves in flight never starve a load; ``staging_bytes_for`` sizes a pool for one step.
+
+On CPU the copies are raw region copies in the Rust core, synchronous (the fence is complete
+on return).  On CUDA they run on a side stream ordered after the caller's stream (or an event
+of it, ``after=``): device -> host is a device-side gather into a temporary then one
+``copy_(non_blocking=True)`` into pinned memory; host -> device is the reverse.  The returned
+:class:`Fence` holds a CUDA event; the caller's stream must wait for a gather's fence before it
+overwrites the blocks (``Fence.wait_stream``, no host sync).
 
 Scatter takes a per-entry mask (the store's statuses): entries that were not read correctly
 are never copied into a KV block.
@@ -30,28 +33,55 @@ import torch
 
 from .layout import KVLayout
 
-__all__ = ["StagingPool", "StagedBatch", "Transfer", "Fence"]
+__all__ = ["StagingPool", "StagedBatch", "Transfer", "Fence", "staging_bytes_for", "LOAD_SHARE", "ALIGNMENT"]
 
-_ALIGN = 64
+#: Every staged piece array starts at a multiple of this many bytes.
+ALIGNMENT = 64
 
 
-def _round(n: int, a: int = _ALIGN) -> int:
+def _round(n: int, a: int = ALIGNMENT) -> int:
     return (n + a - 1) // a * a
 
 
-class StagingPool:
-    """A bounded, reusable host buffer with a first-fit range allocator.
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
 
-    ``pin``: page-lock the buffer (default: when CUDA is available).  ``register(fn)`` calls
-    ``fn(ptr, nbytes)`` once, e.g. ``store.register_buffer`` for Mooncake.
+
+#: The share of a staging pool that only loads may use, unless its ``load_bytes`` is given.
+LOAD_SHARE = 0.25
+
+
+def _load_share(capacity: int) -> int:
+    return int(capacity * LOAD_SHARE) // ALIGNMENT * ALIGNMENT
+
+
+class StagingPool:
+    """A bounded, reusable host buffer with a first-fit range allocator, in two shares so that
+    saves in flight never starve a load: loads allocate from the last ``load_bytes`` only,
+    saves from the rest (``lane`` of :meth:`alloc`).
+
+    ``load_bytes``: the loads' share (default: ``LOAD_SHARE`` of the capacity; 0: one region
+    that both lanes share). ``pin``: page-lock the buffer (default: when CUDA is available).
+    ``register(fn)`` calls ``fn(ptr, nbytes)`` once, e.g. ``store.register_buffer`` for Mooncake.
     """
 
-    def __init__(self, capacity_bytes: int, *, pin: Optional[bool] = None) -> None:
+    def __init__(self, capacity_bytes: int, *, load_bytes: Optional[int] = None, pin: Optional[bool] = None) -> None:
         if capacity_bytes <= 0:
             raise ValueError(f"staging capacity must be positive, got {capacity_bytes}")
         if pin is None:
             pin = torch.cuda.is_available()
         self.capacity = _round(int(capacity_bytes))
+        self.load_bytes = _load_share(self.capacity) if load_bytes is None else _round(int(load_bytes))
+        if not 0 <= self.load_bytes < self.capacity:
+            raise ValueError(
+                f"load_bytes={load_bytes} must be >= 0 and leave room for saves in a {self.capacity}-byte pool"
+            )
+        boundary = self.capacity - self.load_bytes
+        self._windows = {
+            None: (0, self.capacity),
+            "save": (0, boundary),
+            "load": (boundary, self.capacity) if self.load_bytes else (0, self.capacity),
+        }
         self.tensor = torch.empty(self.capacity, dtype=torch.uint8, pin_memory=bool(pin))
         self.pinned = bool(pin)
         self.ptr = self.tensor.data_ptr()
@@ -61,22 +91,29 @@ class StagingPool:
     def register(self, register_fn) -> None:
         register_fn(self.ptr, self.capacity)
 
+    def share(self, lane: Optional[str] = None) -> int:
+        """Bytes ``lane`` ("save", "load", None: any) may hold at once."""
+        lo, hi = self._windows[lane]
+        return hi - lo
+
     @property
     def free_bytes(self) -> int:
         with self._lock:
             return sum(s for _, s in self._free)
 
-    def alloc(self, nbytes: int) -> Optional[int]:
-        """Offset of ``nbytes`` reserved bytes, or None if no free range is large enough."""
+    def alloc(self, nbytes: int, lane: Optional[str] = None) -> Optional[int]:
+        """Offset of ``nbytes`` reserved bytes in ``lane``'s share ("save", "load"; None: anywhere),
+        or None if no free range there is large enough."""
         n = _round(max(int(nbytes), 1))
+        lo, hi = self._windows[lane]
         with self._lock:
             for i, (off, size) in enumerate(self._free):
-                if size >= n:
-                    if size == n:
-                        del self._free[i]
-                    else:
-                        self._free[i] = (off + n, size - n)
-                    return off
+                start = max(off, lo)
+                if min(off + size, hi) - start < n:
+                    continue
+                rest = [(o, s) for o, s in ((off, start - off), (start + n, off + size - start - n)) if s]
+                self._free[i : i + 1] = rest
+                return start
         return None
 
     def release(self, offset: int, nbytes: int) -> None:
@@ -95,14 +132,43 @@ class StagingPool:
             self._free = merged
 
 
+def staging_bytes_for(layout: KVLayout, tokens_per_step: int, planner) -> int:
+    """A default staging pool size for ``layout``: what one step computing ``tokens_per_step``
+    tokens (vLLM's ``max_num_batched_tokens``) can save on this rank, plus the loads' share.
+
+    A request's saves in a step span at most ``T + S - 1`` tokens: from its saved offset (a
+    multiple of ``S``, less than ``S`` tokens behind what it had computed) to the end of the
+    step, a partial-tail boundary included. So each group the planner keys
+    (``planner.hashes_per_block[g] > 0``; scratch rings are never staged) puts at most
+    ``cdiv(T + S - 1, B_g)`` blocks, or hand-off states, of which this rank puts its share under
+    TP striding (``planner.replication``), each group's run staged piece by piece at the pool's
+    alignment. The pool gives saves at least that and loads ``LOAD_SHARE`` of it, at least one
+    block of every group. A step whose saves exceed it (many requests crossing a block boundary
+    at once) still saves: its batches stream through the pool."""
+    tokens = int(tokens_per_step)
+    if tokens <= 0:
+        raise ValueError(f"tokens_per_step must be positive, got {tokens_per_step}")
+    reach = tokens + planner.scheduler_block_size - 1
+    save, largest = 0, ALIGNMENT
+    for g, group in enumerate(layout.groups):
+        per_block = planner.hashes_per_block[g]
+        if not per_block:
+            continue
+        blocks = _cdiv(_cdiv(reach, per_block * planner.hash_block_size), planner.replication(g))
+        save += sum(_round(blocks * p.size) for p in group.pieces)
+        largest = max(largest, sum(_round(p.size) for p in group.pieces))
+    save = max(save, largest)
+    capacity = _round(max(int(save / (1 - LOAD_SHARE)), int(largest / LOAD_SHARE)))
+    while capacity - _load_share(capacity) < save or _load_share(capacity) < largest:
+        capacity += ALIGNMENT
+    return capacity
+
+
 class Fence:
     """Completion of a gather or scatter.  CPU: complete on return.  CUDA: a recorded event."""
 
     def __init__(self, event=None) -> None:
         self._event = event
-
-    def done(self) -> bool:
-        return self._event is None or self._event.query()
 
     def wait(self) -> None:
         """Block the calling thread until the copies are finished."""
@@ -150,10 +216,13 @@ class StagedBatch:
         base = self.pool.ptr
         return [self.pool.tensor[a - base : a - base + s] for a, s in self._parts[i]]
 
-    def release(self) -> None:
-        if not self._released:
-            self._released = True
-            self.pool.release(self.offset, self.nbytes)
+    def release(self) -> bool:
+        """Give the room back; True the first time (releasing twice is harmless)."""
+        if self._released:
+            return False
+        self._released = True
+        self.pool.release(self.offset, self.nbytes)
+        return True
 
     def __enter__(self):
         return self
@@ -223,9 +292,10 @@ class Transfer:
             total += sum(_round(n * p.size) for p in self.layout.groups[g].pieces)
         return total
 
-    def stage(self, blocks: Sequence[tuple]) -> Optional[StagedBatch]:
-        """Reserve pool room for ``blocks`` ([(group, block_id)]), or None if the pool is too
-        full (split the batch, or wait for an earlier one to be released)."""
+    def stage(self, blocks: Sequence[tuple], lane: Optional[str] = None) -> Optional[StagedBatch]:
+        """Reserve room for ``blocks`` ([(group, block_id)]) in ``lane``'s share of the pool
+        (see :meth:`StagingPool.alloc`), or None if it is too full (split the batch, or wait
+        for an earlier one to be released)."""
         blocks = [(int(g), int(b)) for g, b in blocks]
         groups = self.layout.groups
         by_group: dict = {}
@@ -236,7 +306,7 @@ class Transfer:
                 raise ValueError(f"block id {b} out of range for group {g} ({groups[g].num_blocks} blocks)")
             by_group.setdefault(g, []).append(i)
         nbytes = self.staged_bytes(blocks)
-        off = self.pool.alloc(nbytes)
+        off = self.pool.alloc(nbytes, lane)
         if off is None:
             return None
         batch = StagedBatch(self.pool, blocks, off, nbytes)
@@ -258,17 +328,22 @@ class Transfer:
 
     # ---- copies ------------------------------------------------------------------------
 
-    def _begin(self):
+    def current_stream_event(self):
+        """(CUDA) An event recorded on the calling thread's current stream, None on CPU: copies
+        run later on another thread are ordered after it with ``after=``."""
         if not self.cuda:
             return None
         ev = torch.cuda.Event()
         ev.record(torch.cuda.current_stream(self.device))
-        self.stream.wait_event(ev)
+        return ev
+
+    def _side_stream(self, after=None):
+        """(CUDA) The side stream, ordered after ``after`` (an event), else after the work the
+        current stream has queued (the KV was written there)."""
+        self.stream.wait_event(after if after is not None else self.current_stream_event())
         return torch.cuda.stream(self.stream)
 
-    def _end(self, ctx) -> Fence:
-        if ctx is None:
-            return Fence()
+    def _fence(self) -> Fence:
         ev = torch.cuda.Event()
         ev.record(self.stream)
         return Fence(ev)
@@ -324,64 +399,46 @@ class Transfer:
 
     def gather(self, batch: StagedBatch, *, digests: bool = False) -> Fence:
         """KV blocks -> staging. ``digests`` (CPU only): also set ``batch.digests``, each
-        entry's XXH3-64 (the store's payload hash), computed while the bytes are in cache."""
+        entry's XXH3-64 (the store's payload hash), computed while the bytes are in cache.
+        CUDA: the blocks are read on the side stream; the caller's stream must wait for the
+        fence (``Fence.wait_stream``) before it writes them again."""
         if not self.cuda:
             return self._cpu_copy(batch, to_pool=True, digests=digests)
         if digests:
             raise ValueError("digests during the gather are computed on CPU KV caches only")
-        ctx = self._begin()
-        if ctx is not None:
-            ctx.__enter__()
-        try:
+        with self._side_stream():
             for run in batch.runs:
                 n = len(run.rows)
-                ids = run.ids.to(self.device, non_blocking=True) if self.cuda else run.ids
+                ids = run.ids.to(self.device, non_blocking=True)
                 for view, po, p in zip(self._views[run.group], run.piece_offs, self.layout.groups[run.group].pieces):
-                    dst = self._pool_rows(po, n, p.size, view.dtype)
-                    if self.cuda:
-                        dst.copy_(view.index_select(0, ids), non_blocking=True)
-                    else:
-                        torch.index_select(view, 0, ids, out=dst)
-        finally:
-            if ctx is not None:
-                ctx.__exit__(None, None, None)
-        return self._end(ctx)
+                    self._pool_rows(po, n, p.size, view.dtype).copy_(view.index_select(0, ids), non_blocking=True)
+        return self._fence()
 
-    def scatter(self, batch: StagedBatch, ok: Optional[Sequence[bool]] = None, *, expected=None) -> Fence:
+    def scatter(self, batch: StagedBatch, ok: Optional[Sequence[bool]] = None, *, expected=None, after=None) -> Fence:
         """Staging -> KV blocks, only for entries with ``ok[i]`` true (default: all).
         ``expected`` (CPU only): the XXH3-64 each entry's staged bytes must have; an entry
-        whose bytes differ is not written, and ``batch.verified`` tells which were."""
+        whose bytes differ is not written, and ``batch.verified`` tells which were.
+        ``after`` (CUDA): an event from :meth:`current_stream_event` on the stream whose pending
+        work the writes must follow (default: the calling thread's current stream)."""
         if not self.cuda:
             return self._cpu_copy(batch, to_pool=False, ok=ok, expected=expected)
         if expected is not None:
             raise ValueError("digest-checked scatters run on CPU KV caches only")
-        ctx = self._begin()
-        if ctx is not None:
-            ctx.__enter__()
-        try:
+        with self._side_stream(after):
             for run in batch.runs:
                 n = len(run.rows)
-                if ok is None:
-                    sel = None
-                else:
+                sel = None
+                if ok is not None:
                     keep = [k for k, i in enumerate(run.rows) if ok[i]]
                     if not keep:
                         continue
-                    sel = None if len(keep) == n else torch.tensor(keep, dtype=torch.int64)
-                ids = run.ids if sel is None else run.ids.index_select(0, sel)
-                if self.cuda:
-                    ids = ids.to(self.device, non_blocking=True)
-                    dsel = sel.to(self.device, non_blocking=True) if sel is not None else None
+                    if len(keep) < n:
+                        sel = torch.tensor(keep, dtype=torch.int64)
+                ids = (run.ids if sel is None else run.ids.index_select(0, sel)).to(self.device, non_blocking=True)
+                dsel = None if sel is None else sel.to(self.device, non_blocking=True)
                 for view, po, p in zip(self._views[run.group], run.piece_offs, self.layout.groups[run.group].pieces):
-                    src = self._pool_rows(po, n, p.size, view.dtype)
-                    if self.cuda:
-                        src = src.to(self.device, non_blocking=True)
-                        if dsel is not None:
-                            src = src.index_select(0, dsel)
-                    elif sel is not None:
-                        src = src.index_select(0, sel)
+                    src = self._pool_rows(po, n, p.size, view.dtype).to(self.device, non_blocking=True)
+                    if dsel is not None:
+                        src = src.index_select(0, dsel)
                     view.index_copy_(0, ids, src)
-        finally:
-            if ctx is not None:
-                ctx.__exit__(None, None, None)
-        return self._end(ctx)
+        return self._fence()

@@ -1,0 +1,169 @@
+"""Saves and loads through the staging pool on a real Mooncake master (the embedded store
+bypasses staging, which is how saves larger than the pool went unnoticed): a step several times
+larger than the pool is stored whole and loads back byte for byte, a load that arrives while
+saves fill the pool succeeds, and a step that finds the pool held by an earlier step is
+deferred (never waits for it) and stored by the next step."""
+
+from __future__ import annotations
+
+import threading
+import time
+import uuid
+
+import pytest
+import torch
+
+from kvstride import _core
+from kvstride.engine import LoadRequest, OffloadEngine, SaveRequest
+from kvstride.layout import KVLayout
+from kvstride.transfer import StagingPool, Transfer
+from mooncake_fixture import mooncake_master, mooncake_store  # noqa: F401
+
+BLOCK = 16  # tokens per block
+BLOCK_BYTES = 2 * BLOCK * 4 * 32 * 2  # K and V, 4 heads of 32 fp16: 8 KiB, one piece
+POOL = 8 * BLOCK_BYTES  # 64 KiB: loads get 16 KiB (2 blocks), saves 48 KiB in batches of 2 blocks
+SENTINEL = 0xEE
+
+
+class SlowPuts:
+    """The store, with puts that take ``delay`` seconds longer; ``putting`` is set when one
+    starts."""
+
+    def __init__(self, inner) -> None:
+        self.inner = inner
+        self.delay = 0.0
+        self.putting = threading.Event()
+
+    def put(self, keys, buffers, **kwargs):
+        self.putting.set()
+        time.sleep(self.delay)
+        return self.inner.put(keys, buffers, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+
+class Rig:
+    """One full-attention group in blocks-first tensors, a 64 KiB registered pool, an engine."""
+
+    def __init__(self, store) -> None:
+        self.kv = torch.zeros(128, 2, BLOCK, 4, 32, dtype=torch.float16)
+        self.layout = KVLayout({"attn": self.kv}, [["attn"]])
+        assert self.layout.groups[0].block_bytes == BLOCK_BYTES and len(self.layout.groups[0].pieces) == 1
+        self.planner = _core.KeyPlanner(
+            [_core.GroupSpec("full_attention", BLOCK)],
+            hash_block_size=BLOCK,
+            scheduler_block_size=BLOCK,
+            namespace=f"test-staging-{uuid.uuid4().hex[:8]}",
+        )
+        self.pool = StagingPool(POOL)
+        assert (self.pool.share("save"), self.pool.share("load")) == (6 * BLOCK_BYTES, 2 * BLOCK_BYTES)
+        self.store = SlowPuts(store)
+        self.pool.register(store.register_buffer)
+        self.engine = OffloadEngine(self.planner, Transfer(self.layout, self.pool), self.store)
+        self.hasher = _core.BlockHasher("sha256_cbor", seed="0")
+        self.free = list(range(1, 128))
+        self.gen = torch.Generator().manual_seed(11)
+
+    def request(self, blocks: int):
+        """Hashes and a block table of ``blocks`` blocks with random bytes."""
+        tokens = torch.randint(1, 50_000, (blocks * BLOCK,), generator=self.gen).tolist()
+        table, self.free = self.free[:blocks], self.free[blocks:]
+        for b in table:
+            block = self.kv[b].view(torch.uint8)
+            block.copy_(torch.randint(0, 256, block.shape, dtype=torch.uint8, generator=self.gen))
+        return self.hasher.hash_blocks(tokens, BLOCK), table
+
+    def destination(self, blocks: int):
+        table, self.free = self.free[:blocks], self.free[blocks:]
+        for b in table:
+            self.kv[b].view(torch.uint8).fill_(SENTINEL)
+        return table
+
+    def block(self, b: int) -> bytes:
+        return self.kv[b].view(torch.uint8).numpy().tobytes()
+
+    def load_and_compare(self, rid: str, hashes, source) -> None:
+        """Look the request up, load its hit into fresh blocks, and compare every block with
+        its source, byte for byte."""
+        n = len(hashes) * BLOCK
+        assert self.engine.lookup([(rid, hashes, n + 1)])[rid] == n
+        dst = self.destination(len(hashes))
+        self.engine.submit(loads=[LoadRequest(rid, hashes, [dst], n)])
+        assert self.engine.wait_idle(30)
+        done = self.engine.get_finished()
+        assert done.loads_done == {rid} and not done.loads_failed
+        for s, d in zip(source, dst):
+            assert self.block(d) == self.block(s), f"block {d} differs from its source {s}"
+
+
+@pytest.fixture
+def rig(mooncake_store):
+    r = Rig(mooncake_store)
+    yield r
+    r.engine.shutdown()
+
+
+def test_step_several_times_larger_than_the_pool_is_stored(rig):
+    """A 40-block step (320 KiB) through a 64 KiB pool: it streams in batches, waiting only
+    for its own earlier batches; every block is stored and loads back byte for byte (through
+    the 16 KiB load share: the load streams too)."""
+    hashes, table = rig.request(40)
+    rig.engine.submit(saves=[SaveRequest("big", hashes, [table], 40 * BLOCK)])
+    assert rig.engine.wait_idle(30)
+    done = rig.engine.get_finished()
+    assert done.saves_done == {"big"} and not done.saves_failed and not done.saves_deferred
+    c = rig.engine.counters
+    assert c["put_ok"] == 40 and not c["save_job_errors"] and not c["saves_deferred"]
+    assert rig.engine.saved_offset("big") == 40 * BLOCK
+    rig.load_and_compare("big", hashes, table)
+    assert rig.engine.counters["get_ok"] == 40
+
+
+def test_load_while_saves_fill_the_pool(rig):
+    """A load that arrives while in-flight saves hold the save share stages in the load
+    share and succeeds (it used to fail and be recomputed)."""
+    hashes, table = rig.request(8)
+    rig.engine.submit(saves=[SaveRequest("stored", hashes, [table], 8 * BLOCK)])
+    assert rig.engine.wait_idle(30) and not rig.engine.get_finished().saves_failed
+    rig.store.delay = 0.3
+    rig.store.putting.clear()
+    busy_hashes, busy_table = rig.request(8)  # 64 KiB of saves: the whole pool
+    writer = threading.Thread(
+        target=rig.engine.submit, kwargs={"saves": [SaveRequest("busy", busy_hashes, [busy_table], 8 * BLOCK)]}
+    )
+    writer.start()
+    assert rig.store.putting.wait(10)
+    rig.load_and_compare("stored", hashes, table)
+    writer.join(30)
+    assert rig.engine.wait_idle(30)
+    assert rig.engine.counters["loads_ok"] == 1 and not rig.engine.counters["load_job_errors"]
+    assert rig.engine.saved_offset("busy") == 8 * BLOCK  # the saves went on
+
+
+def test_step_finding_the_pool_held_by_an_earlier_step_is_deferred(rig):
+    """Step 1 fills the save share and its puts are slow. Step 2 does not wait for them: its
+    save is deferred (counted, not failed), and the next step of the request stores it."""
+    rig.store.delay = 1.0
+    first_hashes, first_table = rig.request(6)  # 48 KiB: the whole save share
+    rig.engine.submit(saves=[SaveRequest("first", first_hashes, [first_table], 6 * BLOCK)])
+    hashes, table = rig.request(4)
+    start = time.monotonic()
+    rig.engine.submit(saves=[SaveRequest("later", hashes, [table], 4 * BLOCK)])
+    assert time.monotonic() - start < 0.8  # it did not wait for the first step's puts
+    assert rig.engine.wait_idle(30)
+    done = rig.engine.get_finished()
+    assert done.saves_done == {"first", "later"} and not done.saves_failed
+    assert done.saves_deferred == {"later"}
+    c = rig.engine.counters
+    assert c["saves_deferred"] == 1 and c["saves_ok"] == 1 and not c["save_job_errors"]
+    assert rig.engine.saved_offset("later") == 0
+    assert rig.engine.lookup([("q", hashes, 4 * BLOCK + 1)])["q"] == 0
+    # The next step plans the deferred blocks again and stores them.
+    rig.store.delay = 0.0
+    rig.engine.submit(saves=[SaveRequest("later", hashes, [table], 4 * BLOCK)])
+    assert rig.engine.wait_idle(30)
+    done = rig.engine.get_finished()
+    assert not done.saves_failed and not done.saves_deferred
+    assert rig.engine.saved_offset("later") == 4 * BLOCK
+    rig.load_and_compare("later", hashes, table)
