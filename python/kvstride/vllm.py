@@ -14,7 +14,7 @@ Use it with::
   ``mp``, ``vllm serve``, TP), within one engine. ``"mooncake"`` is a Mooncake store shared by
   engines and restarts, configured like vLLM's MooncakeStoreConnector (``MOONCAKE_CONFIG_PATH``;
   ``mooncake_*`` keys override it; ``kvstride store serve`` runs a long-lived one);
-- ``staging_bytes`` (Mooncake staging, default 64 MiB), ``model_id`` (the key namespace's
+- ``staging_bytes`` (Mooncake staging, default: what one full step can save), ``model_id`` (the key namespace's
   model part, default the model path), ``cache_prefix``.
 
 The connector never derives a key or a boundary: vLLM's request block hashes and per-group
@@ -65,7 +65,7 @@ from kvstride.engine import LoadRequest, OffloadEngine, SaveRequest
 from kvstride.layout import KVLayout
 from kvstride.mooncake_config import parse_size
 from kvstride.stores import KVStore
-from kvstride.transfer import StagingPool, Transfer
+from kvstride.transfer import StagingPool, Transfer, staging_bytes_for
 from kvstride.vllm_checks import check_reproducible_hashes
 from kvstride.vllm_stats import KVStridePromMetrics, KVStrideStats, stats_delta
 
@@ -751,7 +751,12 @@ class KVStrideConnector(KVConnectorBase_V1, SupportsHMA):
             self.arena = HostArena(layout, self.num_slots)
             self._arena_loader = ThreadPoolExecutor(1, thread_name_prefix="kvstride-arena-load")
             return
-        pool = StagingPool(int(self._extra.get("staging_bytes", 64 << 20)))
+        if "staging_bytes" in self._extra:
+            staging_bytes = parse_size(self._extra["staging_bytes"], "staging_bytes")
+        else:  # what one full step can save (vLLM's token budget), plus the loads' share
+            step_tokens = int(self._vllm_config.scheduler_config.max_num_batched_tokens)
+            staging_bytes = staging_bytes_for(layout, step_tokens, self.planner)
+        pool = StagingPool(staging_bytes)
         try:
             pool.register(self.store.register_buffer)
         except Exception as err:
