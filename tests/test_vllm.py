@@ -14,6 +14,7 @@ from __future__ import annotations
 import ctypes
 import os
 import time
+from typing import Optional
 
 import pytest
 
@@ -55,6 +56,25 @@ def plain_outputs(model_dirs):
     return get
 
 
+@pytest.fixture(scope="module")
+def plain_run(model_dirs):
+    """``workload(llm)`` on model ``name`` without a connector, with engine settings
+    ``overrides`` (computed once per module and arguments)."""
+    cache = {}
+
+    def get(name, workload, **overrides):
+        key = (name, workload.__name__, tuple(sorted(overrides.items())))
+        if key not in cache:
+            llm = LLM(**harness.engine_kwargs(harness.MODELS[name], model_dirs[name], **overrides))
+            try:
+                cache[key] = workload(llm)
+            finally:
+                harness.close(llm)
+        return cache[key]
+
+    return get
+
+
 def _connectors(llm):
     """(scheduler-side, worker-side) connector of an in-process engine."""
     from vllm.distributed.kv_transfer.kv_transfer_state import get_kv_transfer_group
@@ -81,8 +101,11 @@ def _run_with_connector(model_dirs, name, store, **observe):
             hits[phase] = sched.matched_tokens - before[0]
             before[0] = sched.matched_tokens
 
-        out = harness.scenario(llm, after=hit_of)
-        return out, hits, dict(worker.counters)
+        out = harness.scenario(llm, after=hit_of)  # ends with every vLLM block back (assert_idle)
+        counters = dict(worker.counters)
+        if sched.index is not None:  # the embedded store: no save or load job left in flight
+            assert llm.reset_prefix_cache(reset_connector=True), "reset_prefix_cache(reset_connector=True) refused"
+        return out, hits, counters
     finally:
         harness.close(llm)
         kv_vllm.drop_shared_stores()
@@ -210,6 +233,7 @@ def test_failed_load_on_multi_group_model_is_recomputed(model_dirs, plain_output
     ))
     try:
         sched, worker = _connectors(llm)
+        idle = harness.free_blocks(llm)
         p1, p2 = harness.prompts()
         got = {"p1": harness.generate(llm, p1)}
         harness.drain_and_forget(llm, 1)
@@ -218,6 +242,7 @@ def test_failed_load_on_multi_group_model_is_recomputed(model_dirs, plain_output
         faults.armed = False
         harness.drain_and_forget(llm, 2)
         got["repeat"] = harness.generate(llm, p1)  # the store is still good for the rest
+        harness.assert_idle(llm, idle)
         counters = dict(worker.counters)
     finally:
         harness.close(llm)
@@ -230,7 +255,9 @@ def test_failed_load_on_multi_group_model_is_recomputed(model_dirs, plain_output
 
 
 def _phases(llm, between=None):
-    """The scenario's three requests; ``between(phase)`` runs after each forced miss."""
+    """The scenario's three requests; ``between(phase)`` runs after each forced miss. Ends
+    with every vLLM block back (``assert_idle``)."""
+    idle = harness.free_blocks(llm)
     p1, p2 = harness.prompts()
     out = {}
     for seed, (phase, prompt) in enumerate((("p1", p1), ("p2", p2), ("repeat", p1))):
@@ -239,6 +266,7 @@ def _phases(llm, between=None):
             if between is not None:
                 between(phase)
         out[phase] = harness.generate(llm, prompt)
+    harness.assert_idle(llm, idle)
     return out
 
 
@@ -298,6 +326,7 @@ def test_reset_connector_empties_the_embedded_store(model_dirs):
     ))
     try:
         sched, _ = _connectors(llm)
+        idle = harness.free_blocks(llm)
         p1, _ = harness.prompts()
         harness.generate(llm, p1)
         harness.drain_and_forget(llm, 1)
@@ -310,6 +339,7 @@ def test_reset_connector_empties_the_embedded_store(model_dirs):
         before = sched.matched_tokens
         harness.generate(llm, p1)
         assert sched.matched_tokens == before  # nothing left to hit
+        harness.assert_idle(llm, idle)
     finally:
         harness.close(llm)
         kv_vllm.drop_shared_stores()
@@ -337,3 +367,245 @@ def test_a_hit_whose_load_cannot_be_recorded_is_recomputed(model_dirs, plain_out
         harness.close(llm)
     assert sched.matched_tokens > 0 and counters.get("loads_failed") == 1, counters
     assert harness.mismatches(got, plain_outputs(name)) == []
+
+
+# ---- saves read only blocks vLLM still holds (issue 15.2, review B5) -----------------------------
+
+
+def test_window_blocks_after_failed_saves_are_stored_as_computed(model_dirs, monkeypatch):
+    """Gemma-3 (sliding window 64, block 32): every save fails while the prompt is prefilled
+    and the decode runs well past the window, then saves work again. vLLM has freed (and,
+    with a pool this small, handed out again) the window blocks of the boundaries the
+    connector could not save; whatever the connector stores afterwards must be the KV those
+    tokens had when they were computed, byte for byte (recorded after every step from vLLM's
+    live block table), never another block's bytes under this request's keys."""
+    name = "gemma3"
+    prompt = harness.prompts()[0]
+    decode = 192  # past the window (64) several times over before saves work again
+    kwargs = harness.engine_kwargs(
+        harness.MODELS[name], model_dirs[name], connector=_store_config("embedded", None, f"window-{os.getpid()}"),
+        max_model_len=harness.PROMPT_TOKENS + decode + 32, num_gpu_blocks_override=48,
+    )
+    failing = [True]
+    calls = {"failed": 0, "ok": 0}
+    original = HostArena.save
+
+    def save(arena, *args, **kw):
+        if failing[0]:
+            calls["failed"] += 1
+            raise RuntimeError("store down")
+        calls["ok"] += 1
+        return original(arena, *args, **kw)
+
+    monkeypatch.setattr(HostArena, "save", save)
+    llm = LLM(**kwargs)
+    try:
+        sched, worker = _connectors(llm)
+        layout = worker.arena.layout
+        groups = range(len(layout.groups))
+        recorder = harness.LiveBlockRecorder(llm, layout, groups)
+        engine = llm.llm_engine
+        from vllm.inputs import TokensPrompt
+
+        engine.add_request("w", TokensPrompt(prompt_token_ids=prompt), harness.sampling(decode))
+        scheduler = harness.scheduler_of(llm)
+        (rid,) = list(scheduler.requests)
+        request = scheduler.requests[rid]
+        while engine.has_unfinished_requests():
+            engine.step()
+            recorder.record()
+            # Saves work again once the decode is two windows past the prompt.
+            if failing[0] and request.num_computed_tokens >= harness.PROMPT_TOKENS + 128:
+                failing[0] = False
+        harness.assert_idle(llm, None)
+        assert calls["failed"] > 0 and calls["ok"] > 0, calls
+        assert recorder.freed_seen > 0  # vLLM did free window blocks
+        keys = harness.block_keys(sched.planner, request.block_hashes, len(layout.groups), request.num_computed_tokens)
+        stored = [(key, sched.index.slot(key)) for key in sched.index.keys()]
+        assert stored, "nothing was stored after the saves came back"
+        # Read every stored value back through the arena (digest checked) into a free block.
+        scratch = 1
+        wrong, checked = [], 0
+        for key, slot in stored:
+            assert key in keys, f"stored key {key} is no block of the request"
+            g, i = keys[key]
+            ok = worker.arena.load([slot], [g], [scratch])
+            assert ok.all(), f"slot {slot} of {key} does not verify"
+            want = recorder.bytes.get((rid, g, i))
+            assert want is not None, f"group {g} block {i} was stored but never seen live in vLLM"
+            checked += 1
+            if harness.block_bytes(layout, g, scratch) != want:
+                wrong.append((g, i))
+    finally:
+        harness.close(llm)
+        kv_vllm.drop_shared_stores()
+    assert not wrong, f"{len(wrong)} of {checked} stored blocks hold other bytes than their tokens' KV: {sorted(wrong)}"
+
+
+# ---- the boundary rule in one place (issue 14.3, review B6) ----------------------------------
+
+#: A prompt one token past a block boundary (481 = 15 * 32 + 1).
+P481 = [(7 * i + 3) % 500 + 3 for i in range(15 * 32 + 1)]
+
+
+def _repeat_481(llm, hits: Optional[list] = None) -> dict:
+    """P481, then its exact repeat after a forced miss; ``hits`` gets each request's external
+    hit tokens (with a connector). Ends with vLLM's blocks back (``assert_idle``)."""
+    sched = harness.scheduler_of(llm).connector
+    idle = harness.free_blocks(llm)
+    out = {}
+    for phase in ("first", "repeat"):
+        if phase == "repeat":
+            harness.drain_and_forget(llm, 1)
+        before = sched.matched_tokens if sched is not None else 0
+        out[phase] = harness.generate(llm, P481)
+        if hits is not None:
+            hits.append(sched.matched_tokens - before)
+    harness.assert_idle(llm, idle)
+    return out
+
+
+@pytest.mark.parametrize("kind", ["embedded", "mooncake"])
+def test_repeat_of_block_plus_one_prompt_hits_all_but_its_last_token(model_dirs, plain_run, request, kind):
+    """A 481-token prompt (n = 1 mod the 32-token block) repeated after a forced miss hits
+    exactly 480 tokens, all but the one vLLM must compute (vLLM's MooncakeStoreConnector
+    does), and matches a plain run in tokens and logprobs."""
+    name = "llama"
+    master = request.getfixturevalue("mooncake_master") if kind == "mooncake" else None
+    store = _store_config(kind, master, f"p481-{kind}-{os.getpid()}")
+    llm = LLM(**harness.engine_kwargs(harness.MODELS[name], model_dirs[name], connector=store))
+    try:
+        hits = []
+        got = _repeat_481(llm, hits)
+        counters = dict(_connectors(llm)[1].counters)
+    finally:
+        harness.close(llm)
+        kv_vllm.drop_shared_stores()
+    assert hits == [0, 480], (hits, counters)
+    assert harness.mismatches(got, plain_run(name, _repeat_481)) == []
+
+
+# ---- saves of any size (issue 14.2, review B2) ---------------------------------------------------
+
+#: The whole 480-token prompt in one prefill step: Llama's 15 blocks, 240 KiB per step, in a
+#: 64 KiB staging pool (the ratio of a real model's 8k-token chunk to the 64 MiB default).
+ONE_STEP = {"max_num_batched_tokens": 512}
+
+
+def _p1_then_p2_local(llm) -> dict:
+    """P1, then P2 hitting vLLM's own prefix cache (384 shared tokens): the computation a
+    384-token external hit must reproduce (P2's last 96 tokens in one step)."""
+    p1, p2 = harness.prompts()
+    idle = harness.free_blocks(llm)
+    out = {"p1": harness.generate(llm, p1), "p2": harness.generate(llm, p2)}
+    harness.assert_idle(llm, idle)
+    return out
+
+
+def test_step_larger_than_the_staging_pool_is_stored_and_hits(model_dirs, plain_run, mooncake_master):
+    """Mooncake with a 64 KiB staging pool and a prefill step of 240 KiB (and a load of
+    192 KiB): the step's saves stream through the pool, P2 hits exactly its 384 shared tokens
+    after a forced miss, no save or load fails, and the output equals a plain engine's with
+    the same settings."""
+    name = "llama"
+    store = dict(_store_config("mooncake", mooncake_master, f"staging-{os.getpid()}"), staging_bytes=64 << 10)
+    llm = LLM(**harness.engine_kwargs(harness.MODELS[name], model_dirs[name], connector=store, **ONE_STEP))
+    try:
+        sched, worker = _connectors(llm)
+        p1, p2 = harness.prompts()
+        idle = harness.free_blocks(llm)
+        got = {"p1": harness.generate(llm, p1)}
+        harness.drain_and_forget(llm, 1)
+        before = sched.matched_tokens
+        got["p2"] = harness.generate(llm, p2)
+        hit = sched.matched_tokens - before
+        harness.assert_idle(llm, idle)
+        counters = dict(worker.counters)
+    finally:
+        harness.close(llm)
+        kv_vllm.drop_shared_stores()
+    errors = {k: v for k, v in counters.items() if "error" in k or "fail" in k}
+    assert hit == harness.SHARED_TOKENS and not errors, (hit, counters)
+    assert counters.get("get_ok", 0) > 0, counters
+    assert harness.mismatches(got, plain_run(name, _p1_then_p2_local, **ONE_STEP)) == []
+
+
+# ---- every step: a finished tail in a step without a forward (issue 15.1, review B3) -------------
+
+#: Qwen3-Next's 96-token Mamba blocks with hits at every 32 tokens: vLLM stops a prompt's
+#: prefill at its last 32-token boundary (448 for 480 tokens), inside a Mamba block, and hands
+#: the state there to the connector as a partial tail when the request ends at that point.
+FINE_HITS = {"prefix_match_unit": 32}
+TAIL = (harness.PROMPT_TOKENS - 1) // 32 * 32  # 448
+
+
+def _tail_prompt(llm, hits: Optional[list] = None) -> dict:
+    """P1's first TAIL + 1 tokens after a forced miss (a hit can reach TAIL)."""
+    sched = harness.scheduler_of(llm).connector
+    harness.drain_and_forget(llm, 7)
+    before = sched.matched_tokens if sched is not None else 0
+    out = {"tail": harness.generate(llm, harness.prompts()[0][: TAIL + 1])}
+    if hits is not None:
+        hits.append(sched.matched_tokens - before)
+    return out
+
+
+def test_finished_tail_in_a_step_without_forward_is_saved_and_frees_its_blocks(model_dirs, plain_run, monkeypatch):
+    """A request ends (aborted) right after vLLM computed its prompt up to the partial-tail
+    boundary; vLLM hands the tail to the connector and keeps the request's blocks until the
+    connector reports it sent. Nothing else runs, so the following steps schedule no token
+    (vLLM's no-forward path). Within those steps the tail is saved, the request reported in
+    ``finished_sending`` and every block is back; ``reset_prefix_cache`` succeeds, with and
+    without the connector (no save job left in flight); the saved tail then serves a hit of
+    exactly TAIL tokens with the plain run's output."""
+    from vllm.inputs import TokensPrompt
+
+    name = "qwen3_next"
+    tails = []
+    original = kv_vllm.KVStrideConnector.register_finished_partial_tail
+
+    def register(self, request, block_ids, offloads):
+        held = original(self, request, block_ids, offloads)
+        tails.append((request.request_id, list(offloads), held))
+        return held
+
+    monkeypatch.setattr(kv_vllm.KVStrideConnector, "register_finished_partial_tail", register)
+    store = _store_config("embedded", None, f"tail-{os.getpid()}")
+    llm = LLM(**harness.engine_kwargs(harness.MODELS[name], model_dirs[name], connector=store, **FINE_HITS))
+    try:
+        scheduler = harness.scheduler_of(llm)
+        idle = harness.free_blocks(llm)
+        engine = llm.llm_engine
+        engine.add_request("t", TokensPrompt(prompt_token_ids=harness.prompts()[0]), harness.sampling())
+        (rid,) = list(scheduler.requests)
+        while scheduler.requests[rid].num_computed_tokens < TAIL:
+            engine.step()
+        assert scheduler.requests[rid].num_computed_tokens == TAIL
+        engine.abort_request([rid], internal=True)
+        assert [(r, held) for r, _, held in tails] == [(rid, True)], tails  # vLLM holds the blocks for it
+        scheduled = []
+        schedule = scheduler.schedule
+
+        def spy(*args, **kwargs):
+            out = schedule(*args, **kwargs)
+            scheduled.append(out.total_num_scheduled_tokens)
+            return out
+
+        monkeypatch.setattr(scheduler, "schedule", spy)
+        for _ in range(8):
+            if rid not in scheduler.requests:
+                break
+            engine.step()
+        monkeypatch.setattr(scheduler, "schedule", schedule)
+        assert scheduled and not any(scheduled), scheduled  # only steps without a forward ran
+        assert rid not in scheduler.requests, f"the finished request's blocks are still held after {len(scheduled)} steps"
+        harness.assert_idle(llm, idle, max_steps=0)
+        hits = []
+        got = _tail_prompt(llm, hits)
+        harness.assert_idle(llm, idle)
+        assert llm.reset_prefix_cache(reset_connector=True), "a save job is still in flight"
+    finally:
+        harness.close(llm)
+        kv_vllm.drop_shared_stores()
+    assert hits == [TAIL], hits
+    assert harness.mismatches(got, plain_run(name, _tail_prompt, **FINE_HITS)) == []

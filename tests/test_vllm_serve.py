@@ -221,9 +221,12 @@ ENGINE_SCRIPT = textwrap.dedent(
         from vllm import LLM
 
         model = harness.MODELS[job["model"]]
-        kwargs = harness.engine_kwargs(model, job["path"], connector=job["connector"], backend=job["backend"])
+        kwargs = harness.engine_kwargs(
+            model, job["path"], connector=job["connector"], backend=job["backend"], **job.get("overrides", {})
+        )
         kwargs["tensor_parallel_size"] = job.get("tp", 1)
         llm = LLM(**kwargs, disable_log_stats=False)  # stats on: LLM.get_metrics()
+        idle = harness.free_blocks(llm)  # None unless the scheduler runs in this process
         try:
             hits, last = {}, [0]
 
@@ -240,6 +243,7 @@ ENGINE_SCRIPT = textwrap.dedent(
                     harness.drain_and_forget(llm, seed)
                     out[phase] = harness.generate(llm, {"p1": p1, "p2": p2, "repeat": p1}[phase])
                     after(phase)
+                harness.assert_idle(llm, idle)  # every block back, reset_prefix_cache() succeeds
             kvstride = {k: v for k, v in metric_sums(llm).items() if k.startswith("vllm:kvstride_")}
         finally:
             harness.close(llm)
@@ -459,18 +463,83 @@ def test_mooncake_shared_across_engines(workdir, base_env, model_dirs, reference
     assert _mismatches(got, reference[name]) == []
 
 
-def test_tensor_parallel_two_ranks(workdir, base_env, model_dirs, store_serve):
+def _tp2_env(base_env, kind: str, store_serve) -> Dict[str, str]:
+    """TP=2 on the CPU build: collective_rpc(randomize_kv) needs pickle between the processes,
+    and two ranks on one NUMA node need an explicit OpenMP binding (one core each)."""
+    return _env(base_env, kind, store_serve, VLLM_ALLOW_INSECURE_SERIALIZATION="1", VLLM_CPU_OMP_THREADS_BIND="0|1")
+
+
+TP_MODEL = "gemma3"  # 2 KV heads: one per rank at TP=2
+
+
+@pytest.fixture(scope="module")
+def plain_tp2(workdir, base_env, model_dirs) -> Dict[str, harness.Output]:
+    """The scenario on a plain TP=2 engine: the reference of every TP=2 run (TP changes vLLM's
+    reduction order, so a TP=1 run is not)."""
+    job = dict(model=TP_MODEL, path=model_dirs[TP_MODEL], backend="mp", tp=2, phases="scenario", connector=None)
+    (plain,) = _run_engines(workdir, _tp2_env(base_env, "embedded", None), [job], "tp2-plain")
+    return _outputs(plain["outputs"])
+
+
+def test_tensor_parallel_two_ranks(workdir, base_env, model_dirs, store_serve, plain_tp2):
     """TP=2 on the CPU build (two Worker processes, each with its own arena shard): a save is
     readable only once both ranks wrote it, and the hit both ranks load matches a plain TP=2
     run (TP changes vLLM's reduction order, so the reference is TP=2 too). The CPU build binds
     one OpenMP thread set per rank; on one NUMA node that needs an explicit binding."""
-    name = "gemma3"
-    job = dict(model=name, path=model_dirs[name], backend="mp", tp=2, phases="scenario")
-    env = _env(base_env, "embedded", store_serve, VLLM_ALLOW_INSECURE_SERIALIZATION="1",
-               VLLM_CPU_OMP_THREADS_BIND="0|1")
-    plain, result = _run_engines(
-        workdir, env, [{**job, "connector": None}, {**job, "connector": _store("embedded", "tp2")}], f"tp2-{name}"
-    )
-    _assert_hits(result["hits"], name, result["kvstride"])
+    job = dict(model=TP_MODEL, path=model_dirs[TP_MODEL], backend="mp", tp=2, phases="scenario")
+    env = _tp2_env(base_env, "embedded", store_serve)
+    (result,) = _run_engines(workdir, env, [{**job, "connector": _store("embedded", "tp2")}], f"tp2-{TP_MODEL}")
+    _assert_hits(result["hits"], TP_MODEL, result["kvstride"])
     assert result["kvstride"].get("vllm:kvstride_failures", 0) == 0, result["kvstride"]
-    assert _mismatches(_outputs(result["outputs"]), _outputs(plain["outputs"])) == []
+    assert _mismatches(_outputs(result["outputs"]), plain_tp2) == []
+
+
+#: External hit tokens of the scenario's phases after a forced miss, when the store holds
+#: everything computed before: P2 shares P1's first 384 tokens; a prompt stored whole hits all
+#: but its last block (a 32-token block must be computed to keep one token for vLLM).
+SCENARIO_HITS = {"p1": 0, "p2": harness.SHARED_TOKENS, "repeat": harness.PROMPT_TOKENS - 32}
+
+
+def test_tensor_parallel_mooncake_within_across_engines_and_tp_sizes(
+    workdir, base_env, model_dirs, reference, store_serve, plain_tp2
+):
+    """TP=2 on one Mooncake store (``kvstride store serve``), each rank keying its own head
+    shard (SEMANTICS §3: with 2 KV heads over 2 ranks no two ranks share a key):
+    - engine A (TP=2) runs the scenario: P2 and the repeat hit what A stored, bit-identical
+      with a plain TP=2 run;
+    - engine B (TP=2, a new process) hits what A stored for P2 (P2 whole: all but its last
+      block), bit-identical with the plain TP=2 run;
+    - engine C (TP=1, a new process) on the same store either misses or loads the right
+      shard, never a TP=2 rank's: its P2 equals a plain TP=1 run's."""
+    tag = f"tp2-mooncake-{os.getpid()}"
+    job = dict(model=TP_MODEL, path=model_dirs[TP_MODEL], connector=_store("mooncake", tag))
+    env = _tp2_env(base_env, "mooncake", store_serve)
+    (a,) = _run_engines(workdir, env, [dict(job, backend="mp", tp=2, phases="scenario")], "tp2-mooncake-a")
+    assert a["hits"] == SCENARIO_HITS, a
+    assert _mismatches(_outputs(a["outputs"]), plain_tp2) == [], "engine A (TP=2, Mooncake)"
+    (b,) = _run_engines(workdir, env, [dict(job, backend="mp", tp=2, phases=["p2"])], "tp2-mooncake-b")
+    assert b["hits"] == {"p2": harness.PROMPT_TOKENS - 32}, b
+    assert _mismatches(_outputs(b["outputs"]), plain_tp2) == [], "engine B (TP=2, a new process)"
+    env1 = _env(base_env, "mooncake", store_serve, VLLM_ENABLE_V1_MULTIPROCESSING="0")
+    (c,) = _run_engines(workdir, env1, [dict(job, backend="uni", phases=["p2"])], "tp1-mooncake-c")
+    assert _mismatches(_outputs(c["outputs"]), reference[TP_MODEL]) == [], f"engine C (TP=1): hits {c['hits']}"
+    for r in (a, b, c):
+        assert r["kvstride"].get("vllm:kvstride_failures", 0) == 0, r["kvstride"]
+
+
+def test_mooncake_shared_across_engines_with_vllm_default_hash(workdir, base_env, model_dirs, reference, store_serve):
+    """vLLM's default ``prefix_caching_hash_algo`` (``sha256``, pickle-based) with a fixed
+    PYTHONHASHSEED: engines of the same vLLM and Python share a Mooncake store as with vLLM's
+    own connector. Engine A computes P1 and exits; engine B, a new process, hits exactly the
+    384 tokens P2 shares with it and matches the plain run."""
+    name = "llama"
+    connector = _store("mooncake", f"sha256-{name}-{os.getpid()}")
+    env = _env(base_env, "mooncake", store_serve, VLLM_ENABLE_V1_MULTIPROCESSING="0")
+    job = dict(model=name, path=model_dirs[name], backend="uni", connector=connector,
+               overrides={"prefix_caching_hash_algo": "sha256"})
+    (a,) = _run_engines(workdir, env, [dict(job, phases=["p1"])], f"sha256-{name}-a")
+    (b,) = _run_engines(workdir, env, [dict(job, phases=["p2"])], f"sha256-{name}-b")
+    assert b["hits"] == {"p2": harness.SHARED_TOKENS}, b
+    assert b["kvstride"].get("vllm:kvstride_failures", 0) == 0, b["kvstride"]
+    got = {**_outputs(a["outputs"]), **_outputs(b["outputs"])}
+    assert _mismatches(got, reference[name]) == []

@@ -155,9 +155,13 @@ def connector_config(store: dict, *, module: str = "kvstride.vllm"):
     )
 
 
-def engine_kwargs(model: Model, path: str, *, connector: Optional[dict] = None, backend: str = "uni") -> dict:
+def engine_kwargs(
+    model: Model, path: str, *, connector: Optional[dict] = None, backend: str = "uni", **overrides
+) -> dict:
     """``LLM(**kwargs)`` for ``model``: one block per prefill chunk and dense retention, under
-    which vLLM's own output does not depend on where a prefix hit ends."""
+    which vLLM's own output does not depend on where a prefix hit ends. ``overrides`` replace
+    any of these settings (a test that changes one compares with a plain run that changes it
+    too)."""
     kw = dict(
         model=path, load_format="safetensors", skip_tokenizer_init=True, enforce_eager=True,
         max_model_len=1024, block_size=32, seed=0, enable_prefix_caching=True,
@@ -167,6 +171,7 @@ def engine_kwargs(model: Model, path: str, *, connector: Optional[dict] = None, 
         prefix_caching_hash_algo="sha256_cbor",
     )
     kw.update(model.kwargs())
+    kw.update(overrides)
     if connector is not None:
         kw["kv_transfer_config"] = connector_config(connector)
     return kw
@@ -215,11 +220,17 @@ class Output:
     logprobs: List[float]
 
 
-def generate(llm, prompt: Sequence[int]) -> Output:
+def sampling(max_tokens: int = MAX_TOKENS):
+    """Greedy, every sampled token's logprob, no tokenizer."""
     from vllm import SamplingParams
+
+    return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, detokenize=False, logprobs=0)
+
+
+def generate(llm, prompt: Sequence[int], max_tokens: int = MAX_TOKENS) -> Output:
     from vllm.inputs import TokensPrompt
 
-    sp = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True, detokenize=False, logprobs=0)
+    sp = sampling(max_tokens)
     out = llm.generate([TokensPrompt(prompt_token_ids=list(prompt))], sp, use_tqdm=False)[0].outputs[0]
     tokens = list(out.token_ids)
     logprobs = [float(step[tok].logprob) for step, tok in zip(out.logprobs, tokens)]
@@ -228,7 +239,9 @@ def generate(llm, prompt: Sequence[int]) -> Output:
 
 def scenario(llm, after=None) -> Dict[str, Output]:
     """P1 (fills the store), then P2 (80 % shared) and the exact repeat of P1, each after a
-    forced miss. ``after(phase)`` is called once each phase's request finished."""
+    forced miss. ``after(phase)`` is called once each phase's request finished. Ends with
+    :func:`assert_idle`: every block vLLM lent the requests is back."""
+    idle = free_blocks(llm)
     p1, p2 = prompts()
     out = {}
     for seed, (phase, prompt) in enumerate((("p1", p1), ("p2", p2), ("repeat", p1))):
@@ -237,7 +250,57 @@ def scenario(llm, after=None) -> Dict[str, Output]:
         out[phase] = generate(llm, prompt)
         if after is not None:
             after(phase)
+    assert_idle(llm, idle)
     return out
+
+
+# ---- idle: every block back once no request runs -------------------------------------------
+
+
+def scheduler_of(llm):
+    """The scheduler of an engine whose EngineCore runs in this process
+    (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), else None."""
+    core = getattr(llm.llm_engine.engine_core, "engine_core", None)
+    return getattr(core, "scheduler", None)
+
+
+def free_blocks(llm) -> Optional[int]:
+    """vLLM's free KV blocks (in-process engines; None where the scheduler is in another
+    process). Right after the engine started this is its idle value."""
+    sched = scheduler_of(llm)
+    return None if sched is None else sched.kv_cache_manager.block_pool.get_num_free_blocks()
+
+
+def assert_idle(llm, idle: Optional[int], timeout: float = 30.0, max_steps: int = 64) -> None:
+    """With no request left to run, vLLM gets back every block it lent (a connector that holds
+    a finished request's blocks must report it without any new request arriving): the engine,
+    stepped while it has finished-but-held requests (steps without a forward), ends with
+    ``reset_prefix_cache()`` succeeding and, where the scheduler is reachable, no request left
+    and the free-block count at ``idle`` (its value at engine start). In-process engines get
+    at most ``max_steps`` such steps; other layouts step themselves and get ``timeout`` s."""
+    sched = scheduler_of(llm)
+    deadline = time.monotonic() + timeout
+    steps = 0
+    while True:
+        reset = llm.reset_prefix_cache()
+        if sched is None:
+            if reset:
+                return
+        else:
+            free = sched.kv_cache_manager.block_pool.get_num_free_blocks()
+            left = sorted(sched.requests)
+            if reset and not left and (idle is None or free == idle):
+                return
+        if time.monotonic() > deadline or steps >= max_steps:
+            detail = "" if sched is None else f"; requests still held: {left}, free blocks {free} != idle {idle}"
+            raise AssertionError(
+                f"vLLM's blocks never came back after the workload ({steps} idle steps, "
+                f"reset_prefix_cache() -> {reset}){detail}"
+            )
+        if sched is not None:
+            llm.llm_engine.step()  # no new request: only held (finished) ones, no forward
+            steps += 1
+        time.sleep(0.005)
 
 
 def mismatches(got: Dict[str, Output], want: Dict[str, Output], tol: float = 1e-6) -> List[str]:
@@ -272,3 +335,66 @@ class KVRandomizer:
 
     def randomize_kv_cache(self, seed) -> int:
         return randomize_kv(self, int(seed))
+
+
+# ---- block bytes: what a stored value must equal ----------------------------------------------
+
+
+def block_bytes(layout, group: int, block_id: int) -> bytes:
+    """The bytes of one block of one KV-cache group as the connector stores them (the
+    concatenation of its pieces, ``kvstride.layout.KVLayout``), read from the KV tensors now."""
+    storages = layout.storages
+    parts = []
+    for p in layout.groups[group].pieces:
+        start = p.offset + int(block_id) * p.stride
+        parts.append(storages[p.storage][start:start + p.size].cpu())
+    return torch.cat(parts).numpy().tobytes()
+
+
+def block_keys(planner, block_hashes, num_groups: int, num_tokens: int) -> Dict[str, Tuple[int, int]]:
+    """Every key the connector's ``planner`` gives a block of a request with these block
+    hashes, mapped to (group, block index): a plan of the whole request over tables whose
+    block ids encode the block index (id = index + 1; 0 is vLLM's null block)."""
+    S = planner.scheduler_block_size
+    blocks = -(-int(num_tokens) // S)
+    tables = [[i + 1 for i in range(blocks)] for _ in range(num_groups)]
+    plan = planner.plan_save(list(block_hashes), tables, int(num_tokens))
+    return {key: (int(g), int(b) - 1) for key, g, b in plan.puts}
+
+
+class LiveBlockRecorder:
+    """After every engine step of an in-process engine, the bytes of every full block that
+    vLLM still holds for each running request (its live block table: freed window blocks
+    are vLLM's null block 0), per (request, group, block index): the KV those tokens had when
+    they were computed, the reference every stored value must equal. A block's bytes never
+    change while vLLM holds it for the request (asserted)."""
+
+    def __init__(self, llm, layout, groups: Sequence[int]) -> None:
+        self.sched = scheduler_of(llm)
+        assert self.sched is not None, "LiveBlockRecorder needs an in-process engine"
+        self.layout = layout
+        self.groups = list(groups)
+        self.block_size = int(self.sched.kv_cache_config.kv_cache_groups[0].kv_cache_spec.block_size)
+        self.bytes: Dict[Tuple[str, int, int], bytes] = {}
+        self.requests: Dict[str, object] = {}  # req id -> vLLM's Request (its block hashes)
+        self.freed_seen = 0  # window blocks seen replaced by the null block
+
+    def record(self) -> None:
+        manager = self.sched.kv_cache_manager
+        for rid, request in list(self.sched.requests.items()):
+            if request.is_finished():
+                continue
+            self.requests[rid] = request
+            computed = int(request.num_computed_tokens)
+            tables = manager.get_block_ids(rid)
+            for g in self.groups:
+                bs = int(self.sched.kv_cache_config.kv_cache_groups[g].kv_cache_spec.block_size)
+                for i, b in enumerate(tables[g]):
+                    if (i + 1) * bs > computed:
+                        break
+                    if b == 0:
+                        self.freed_seen += 1
+                        continue
+                    now = block_bytes(self.layout, g, b)
+                    was = self.bytes.setdefault((rid, g, i), now)
+                    assert was == now, f"request {rid} group {g} block {i} (id {b}) changed while vLLM held it"
