@@ -10,6 +10,7 @@ pub mod keys;
 pub mod payload;
 pub mod planner;
 pub mod regions;
+pub mod secret;
 
 #[cfg(test)]
 mod planner_tests;

@@ -3,6 +3,7 @@
 
 use crate::error::{Error, Result};
 use crate::groups::{hashes_per_block, participating, GroupKind, GroupSpec, MambaMode};
+use crate::secret::Secret;
 use crate::keys::{push_hex, rank_puts_block, replication, Namespace};
 use std::collections::HashSet;
 
@@ -105,6 +106,8 @@ pub struct KeyPlanner {
     own_prefix: Vec<String>,
     /// The same for every key TP rank some rank loads, per group.
     lookup_prefixes: Vec<Vec<String>>,
+    /// With a deployment secret, a key's hash part is keyed (SEMANTICS §3, "Keyed keys").
+    secret: Option<std::sync::Arc<Secret>>,
 }
 
 fn cdiv(a: u64, b: u64) -> u64 {
@@ -220,6 +223,7 @@ impl KeyPlanner {
             replication,
             own_prefix,
             lookup_prefixes,
+            secret: None,
         })
     }
 
@@ -257,12 +261,44 @@ impl KeyPlanner {
         self.per_block[group] > 0
     }
 
+    /// This planner keying with a deployment secret: every key's hash part becomes
+    /// `BLAKE3_keyed(k_name, u32_le(|prefix|) ‖ prefix ‖ block_hash)` (as long as the block
+    /// hash), so keys cannot be computed (or probed) without the secret.
+    pub fn with_secret(mut self, secret: &[u8]) -> Result<Self> {
+        self.secret = Some(std::sync::Arc::new(Secret::new(secret)?));
+        Ok(self)
+    }
+
+    pub fn has_secret(&self) -> bool {
+        self.secret.is_some()
+    }
+
+    /// `prefix ‖ hex(hash part)` into `key` (cleared first).
+    fn write_key(&self, key: &mut String, prefix: &str, block_hash: &[u8]) {
+        key.clear();
+        key.push_str(prefix);
+        match &self.secret {
+            None => push_hex(key, block_hash),
+            Some(secret) => {
+                let mut out = [0u8; 64];
+                let mut long = Vec::new();
+                let out: &mut [u8] = if block_hash.len() <= 64 {
+                    &mut out[..block_hash.len()]
+                } else {
+                    long.resize(block_hash.len(), 0);
+                    &mut long
+                };
+                secret.name_hash(prefix, block_hash, out);
+                push_hex(key, out);
+            }
+        }
+    }
+
     /// This rank's key for a block hash of a group.
     pub fn key(&self, group: usize, block_hash: &[u8]) -> String {
         let prefix = &self.own_prefix[group];
         let mut key = String::with_capacity(prefix.len() + block_hash.len() * 2);
-        key.push_str(prefix);
-        push_hex(&mut key, block_hash);
+        self.write_key(&mut key, prefix, block_hash);
         key
     }
 
@@ -565,6 +601,17 @@ impl KeyPlanner {
         let mut hex_at = vec![u32::MAX; hashes.len()];
         let mut hexed = String::new();
         let mut key = String::with_capacity(256);
+        if self.secret.is_some() {
+            // Keyed: every (prefix, hash) has its own hash part.
+            for c in candidates {
+                let hash = hashes[c.hash_index].as_ref();
+                for prefix in &self.lookup_prefixes[c.group] {
+                    self.write_key(&mut key, prefix, hash);
+                    f(&key);
+                }
+            }
+            return;
+        }
         for c in candidates {
             let hash = hashes[c.hash_index].as_ref();
             let at = match hex_at[c.hash_index] {

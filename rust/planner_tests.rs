@@ -624,3 +624,30 @@ proptest! {
         );
     }
 }
+
+#[test]
+fn keyed_keys_differ_keep_shape_and_agree_between_lookup_and_plans() {
+    let groups = vec![
+        GroupSpec::full_attention(16),
+        GroupSpec::mamba(16, MambaMode::Align),
+    ];
+    let plain = planner(groups.clone(), 4, 16);
+    let keyed = planner(groups.clone(), 4, 16).with_secret(&[42u8; 32]).unwrap();
+    let other = planner(groups, 4, 16).with_secret(&[43u8; 32]).unwrap();
+    let hashes = fake_hashes(8);
+    let (a, b, c) = (key(&plain, 0, &hashes, 3), key(&keyed, 0, &hashes, 3), key(&other, 0, &hashes, 3));
+    assert_eq!(a, format!("{NS}@group:0@{}", crate::keys::hex(&hashes[3])));
+    assert_ne!(a, b);
+    assert_ne!(b, c);
+    assert_eq!(a.len(), b.len(), "same length as the unkeyed key");
+    assert!(b.starts_with(&format!("{NS}@group:0@")));
+    assert_ne!(key(&keyed, 0, &hashes, 3)[NS.len() + 9..], key(&keyed, 1, &hashes, 3)[NS.len() + 9..]);
+    let keys = keyed.lookup_keys(&hashes, 33);
+    for k in &keys {
+        let g: usize = k[NS.len() + 7..NS.len() + 8].parse().unwrap();
+        assert!((0..8).any(|i| &key(&keyed, g, &hashes, i) == k), "{k}");
+    }
+    let present: HashSet<String> = (0..8).flat_map(|i| [key(&keyed, 0, &hashes, i), key(&keyed, 1, &hashes, i)]).collect();
+    assert_eq!(keyed.longest_hit(&hashes, 33, &|k| present.contains(k)), 32);
+    assert_eq!(plain.longest_hit(&hashes, 33, &|k| present.contains(k)), 0);
+}

@@ -830,7 +830,7 @@ impl KeyPlanner {
     #[new]
     #[pyo3(signature = (groups, *, hash_block_size, scheduler_block_size, namespace,
                         partial_hits = None, dcp = 1, tp_size = 1, tp_rank = None,
-                        pp_rank = None))]
+                        pp_rank = None, secret = None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         groups: &Bound<'_, PyAny>,
@@ -842,6 +842,7 @@ impl KeyPlanner {
         tp_size: i64,
         tp_rank: Option<i64>,
         pp_rank: Option<i64>,
+        secret: Option<Vec<u8>>,
     ) -> PyResult<Self> {
         let groups = extract_groups(groups)?;
         let tp_rank = optional_non_negative("tp_rank", tp_rank)?;
@@ -882,9 +883,17 @@ impl KeyPlanner {
             tp_size: positive("tp_size", tp_size)?,
             tp_rank,
         };
-        Ok(KeyPlanner {
-            inner: planner::KeyPlanner::new(config).map_err(value_error)?,
-        })
+        let mut inner = planner::KeyPlanner::new(config).map_err(value_error)?;
+        if let Some(secret) = secret {
+            inner = inner.with_secret(&secret).map_err(value_error)?;
+        }
+        Ok(KeyPlanner { inner })
+    }
+
+    /// True when keys are keyed with a deployment secret (SEMANTICS §3, "Keyed keys").
+    #[getter]
+    fn keyed(&self) -> bool {
+        self.inner.has_secret()
     }
 
     #[getter]
@@ -1249,6 +1258,79 @@ fn xxh3_64_batch(py: Python<'_>, values: &Bound<'_, PyAny>) -> PyResult<Vec<u64>
     Ok(digests)
 }
 
+/// `StoreSecret(secret: bytes)`: the value MAC of a deployment secret (issue 17; the key part
+/// is `KeyPlanner(..., secret=)`). `payload_tags(values)`: each value's keyed payload tag (a
+/// u64, where `xxh3_64_batch` gives the XXH3-64), GIL released, over rayon's threads for big
+/// batches; `header_macs(keys, lengths, tags)`: the 16-byte MAC of each value's header.
+#[pyclass(module = "kvstride._core", frozen)]
+struct StoreSecret {
+    inner: crate::secret::Secret,
+}
+
+#[pymethods]
+impl StoreSecret {
+    #[new]
+    fn new(secret: Vec<u8>) -> PyResult<Self> {
+        Ok(StoreSecret {
+            inner: crate::secret::Secret::new(&secret).map_err(value_error)?,
+        })
+    }
+
+    fn payload_tags(&self, py: Python<'_>, values: &Bound<'_, PyAny>) -> PyResult<Vec<u64>> {
+        let mut keep = Vec::new();
+        let regions: Vec<Vec<(usize, usize)>> = values
+            .try_iter()?
+            .map(|v| payload_parts(&v?, &mut keep))
+            .collect::<PyResult<_>>()?;
+        let total: usize = regions.iter().flatten().map(|p| p.1).sum();
+        let secret = &self.inner;
+        let tag = |parts: &Vec<(usize, usize)>| {
+            // SAFETY: as `xxh3_regions`: arrays the caller keeps alive (`keep`).
+            let slices: Vec<&[u8]> = parts
+                .iter()
+                .filter(|p| p.1 > 0)
+                .map(|&(addr, len)| unsafe { std::slice::from_raw_parts(addr as *const u8, len) })
+                .collect();
+            secret.payload_tag(&slices)
+        };
+        let tags = py.detach(|| {
+            if total >= PAR_HASH_BYTES && regions.len() > 1 {
+                use rayon::prelude::*;
+                regions.par_iter().with_max_len(1).map(tag).collect()
+            } else {
+                regions.iter().map(tag).collect::<Vec<u64>>()
+            }
+        });
+        drop(keep);
+        Ok(tags)
+    }
+
+    fn header_macs<'py>(
+        &self,
+        py: Python<'py>,
+        keys: Vec<String>,
+        lengths: Vec<u64>,
+        tags: Vec<u64>,
+    ) -> PyResult<Vec<Bound<'py, PyBytes>>> {
+        if keys.len() != lengths.len() || keys.len() != tags.len() {
+            return Err(PyValueError::new_err("keys, lengths and tags must have the same length"));
+        }
+        let secret = &self.inner;
+        let macs: Vec<[u8; 16]> = py.detach(|| {
+            keys.iter()
+                .zip(&lengths)
+                .zip(&tags)
+                .map(|((k, &n), &t)| secret.header_mac(k.as_bytes(), n, t))
+                .collect()
+        });
+        Ok(macs.iter().map(|m| PyBytes::new(py, m)).collect())
+    }
+
+    fn __repr__(&self) -> &'static str {
+        "StoreSecret(..)"
+    }
+}
+
 // ---- host arena regions (kvstride.arena) ---------------------------------------------------
 
 fn region_slice<'a>(array: &'a PyReadonlyArray1<'_, u64>) -> PyResult<&'a [u64]> {
@@ -1270,12 +1352,14 @@ fn arena_rows<'a>(
     dst: &'a PyReadonlyArray1<'_, u64>,
     lengths: &'a PyReadonlyArray1<'_, u64>,
     row_start: &'a PyReadonlyArray1<'_, u64>,
+    secret: Option<&'a crate::secret::Secret>,
 ) -> PyResult<crate::regions::Rows<'a>> {
     let rows = crate::regions::Rows {
         src: region_slice(src)?,
         dst: region_slice(dst)?,
         len: region_slice(lengths)?,
         row_start: region_slice(row_start)?,
+        secret,
     };
     same_lengths(&[rows.src, rows.dst, rows.len])?;
     let n = rows.len.len() as u64;
@@ -1291,16 +1375,20 @@ fn arena_rows<'a>(
 /// `_save_rows(src, dst, lengths, row_start) -> numpy uint64`: copy each row's regions and
 /// return the XXH3-64 of each row's bytes (its regions in order); GIL released. Unchecked raw
 /// memory access: only for kvstride's own copies (`kvstride.arena`, `kvstride.transfer`),
-/// which derive every address from tensors and buffers they hold.
+/// which derive every address from tensors and buffers they hold. With `secret` (a
+/// `StoreSecret`) each row's digest is its keyed payload tag instead.
 #[pyfunction]
+#[pyo3(signature = (src, dst, lengths, row_start, secret = None))]
 fn _save_rows<'py>(
     py: Python<'py>,
     src: PyReadonlyArray1<'py, u64>,
     dst: PyReadonlyArray1<'py, u64>,
     lengths: PyReadonlyArray1<'py, u64>,
     row_start: PyReadonlyArray1<'py, u64>,
+    secret: Option<PyRef<'py, StoreSecret>>,
 ) -> PyResult<Bound<'py, PyArray1<u64>>> {
-    let rows = arena_rows(&src, &dst, &lengths, &row_start)?;
+    let secret = secret.as_ref().map(|s| s.inner.clone());
+    let rows = arena_rows(&src, &dst, &lengths, &row_start, secret.as_ref())?;
     // SAFETY: the contract in the docstring: live, non-overlapping regions.
     let digests = py.detach(|| unsafe { crate::regions::save_rows(&rows) });
     Ok(PyArray1::from_vec(py, digests))
@@ -1308,8 +1396,9 @@ fn _save_rows<'py>(
 
 /// `_load_rows(src, dst, lengths, row_start, expected) -> numpy bool`: XXH3-64 each row's
 /// source bytes and copy the row only when it equals `expected`; GIL released. Same contract
-/// as `_save_rows`.
+/// as `_save_rows` (and `secret` as there).
 #[pyfunction]
+#[pyo3(signature = (src, dst, lengths, row_start, expected, secret = None))]
 fn _load_rows<'py>(
     py: Python<'py>,
     src: PyReadonlyArray1<'py, u64>,
@@ -1317,8 +1406,10 @@ fn _load_rows<'py>(
     lengths: PyReadonlyArray1<'py, u64>,
     row_start: PyReadonlyArray1<'py, u64>,
     expected: PyReadonlyArray1<'py, u64>,
+    secret: Option<PyRef<'py, StoreSecret>>,
 ) -> PyResult<Bound<'py, PyArray1<bool>>> {
-    let rows = arena_rows(&src, &dst, &lengths, &row_start)?;
+    let secret = secret.as_ref().map(|s| s.inner.clone());
+    let rows = arena_rows(&src, &dst, &lengths, &row_start, secret.as_ref())?;
     let expected = region_slice(&expected)?;
     if expected.len() + 1 != rows.row_start.len() {
         return Err(PyValueError::new_err("expected needs one digest per row"));
@@ -1369,6 +1460,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<TailPlan>()?;
     m.add_class::<SavePlan>()?;
     m.add_class::<LoadPlan>()?;
+    m.add_class::<StoreSecret>()?;
     m.add_function(wrap_pyfunction!(cbor_encode, m)?)?;
     m.add_function(wrap_pyfunction!(resolve_block_sizes, m)?)?;
     m.add_function(wrap_pyfunction!(hashes_per_block, m)?)?;

@@ -107,6 +107,9 @@ pub struct Rows<'a> {
     pub dst: &'a [u64],
     pub len: &'a [u64],
     pub row_start: &'a [u64],
+    /// With a deployment secret, each row's digest is its keyed payload tag
+    /// (`Secret::payload_tag`) instead of its XXH3-64.
+    pub secret: Option<&'a crate::secret::Secret>,
 }
 
 impl Rows<'_> {
@@ -132,6 +135,14 @@ impl Rows<'_> {
     /// Every region of row `r` must be readable at `addr`.
     unsafe fn digest(&self, addr: &[u64], r: usize) -> u64 {
         let regions = self.regions(r);
+        if let Some(secret) = self.secret {
+            let mut hasher = secret.payload_hasher();
+            for i in regions {
+                // SAFETY: the caller's contract.
+                hasher.update(unsafe { self.bytes(addr, i) });
+            }
+            return crate::secret::Secret::payload_tag_of(&hasher);
+        }
         let contiguous = regions.clone().skip(1).all(|i| addr[i] == addr[i - 1] + self.len[i - 1]);
         if contiguous && !regions.is_empty() {
             let total: u64 = self.len[regions.clone()].iter().sum();
@@ -255,7 +266,7 @@ mod tests {
         let mut out = vec![0u8; 64];
         let (k, s, o) = (kv.as_ptr() as u64, slots.as_mut_ptr() as u64, out.as_mut_ptr() as u64);
         // Two rows of two pieces: kv[0..4] + kv[8..12] -> slot 0, kv[16..20] + kv[24..28] -> slot 1.
-        let save = Rows { src: &[k, k + 8, k + 16, k + 24], dst: &[s, s + 4, s + 32, s + 36], len: &[4; 4], row_start: &[0, 2, 4] };
+        let save = Rows { src: &[k, k + 8, k + 16, k + 24], dst: &[s, s + 4, s + 32, s + 36], len: &[4; 4], row_start: &[0, 2, 4], secret: None };
         let digests = unsafe { save_rows(&save) };
         assert_eq!(digests[0], xxhash_rust::xxh3::xxh3_64(&[0, 1, 2, 3, 8, 9, 10, 11]));
         assert_eq!(digests[1], xxhash_rust::xxh3::xxh3_64(&[16, 17, 18, 19, 24, 25, 26, 27]));
@@ -277,7 +288,7 @@ mod tests {
         let len = [70_001u64, 1, 1 << 20, 333];
         let src = [d + (2 << 20), d + 5, d, d + 1_500_000];
         let dst = [c, c + 70_001, c + 70_002, c + 70_002 + (1 << 20)];
-        let rows = Rows { src: &src, dst: &dst, len: &len, row_start: &[0, 4] };
+        let rows = Rows { src: &src, dst: &dst, len: &len, row_start: &[0, 4], secret: None };
         let digest = unsafe { save_rows(&rows) }[0];
         let total: usize = len.iter().sum::<u64>() as usize;
         assert_eq!(digest, xxhash_rust::xxh3::xxh3_64(&copy[..total]));
@@ -311,16 +322,36 @@ mod tests {
         let back: Vec<u64> = (0..2 * rows_n as u64).map(|i| o + i * piece as u64).collect();
         let len = vec![piece as u64; 2 * rows_n];
         let starts: Vec<u64> = (0..=rows_n as u64).map(|r| 2 * r).collect();
-        let save = Rows { src: &src, dst: &dst, len: &len, row_start: &starts };
+        let save = Rows { src: &src, dst: &dst, len: &len, row_start: &starts, secret: None };
         assert!(save.streaming());
         let digests = unsafe { save_rows(&save) };
         for r in 0..rows_n {
             assert_eq!(digests[r], xxhash_rust::xxh3::xxh3_64(&slots[r * 2 * piece..(r + 1) * 2 * piece]));
         }
         assert_eq!(&slots[..], &kv[3..3 + rows_n * 2 * piece]);
-        let load = Rows { src: &dst, dst: &back, len: &len, row_start: &starts };
+        let load = Rows { src: &dst, dst: &back, len: &len, row_start: &starts, secret: None };
         let ok = unsafe { load_rows(&load, &digests) };
         assert!(ok.iter().all(|&x| x));
         assert_eq!(&out[5..5 + rows_n * 2 * piece], &slots[..]);
+    }
+
+    #[test]
+    fn keyed_rows_carry_the_payload_tag_and_refuse_a_wrong_one() {
+        let secret = crate::secret::Secret::new(&[3u8; 32]).unwrap();
+        let src: Vec<u8> = (0..64).collect();
+        let mut dst = vec![0u8; 64];
+        let (k, s) = (src.as_ptr() as u64, dst.as_mut_ptr() as u64);
+        let save = Rows { src: &[k, k + 32], dst: &[s, s + 8], len: &[8, 8], row_start: &[0, 2], secret: Some(&secret) };
+        let tags = unsafe { save_rows(&save) };
+        let mut want = src[..8].to_vec();
+        want.extend_from_slice(&src[32..40]);
+        assert_eq!(tags[0], secret.payload_tag(&[&want]));
+        let mut back = vec![0u8; 16];
+        let b = back.as_mut_ptr() as u64;
+        let load = Rows { src: &[s, s + 8], dst: &[b, b + 8], len: &[8, 8], row_start: &[0, 2], secret: Some(&secret) };
+        assert_eq!(unsafe { load_rows(&load, &[tags[0] ^ 1]) }, vec![false]);
+        assert_eq!(back, vec![0u8; 16]);
+        assert_eq!(unsafe { load_rows(&load, &tags) }, vec![true]);
+        assert_eq!(back, want);
     }
 }

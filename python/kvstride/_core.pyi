@@ -1,6 +1,6 @@
 """Type stubs for the Rust core (``kvstride._core``). Semantics: SEMANTICS.md."""
 
-from typing import Iterable, Optional, Sequence, Union
+from typing import Any, Iterable, Optional, Sequence, Union
 
 import numpy as np
 import numpy.typing as npt
@@ -129,10 +129,13 @@ class KeyPlanner:
         tp_size: int = 1,
         tp_rank: Optional[int] = None,
         pp_rank: Optional[int] = None,
+        secret: Optional[bytes] = None,
     ) -> None:
         """``tp_rank`` / ``pp_rank``: this rank, given here or in the Namespace (None on both
         sides: 0). Given on both sides they must agree, else ``ValueError``. A str namespace
-        takes no ``pp_rank`` (its text carries one)."""
+        takes no ``pp_rank`` (its text carries one). ``secret`` (>= 32 bytes): every key's hash
+        part is keyed (SEMANTICS §3 "Keyed keys"); None: keys as without it."""
+    keyed: bool  # keys are keyed with a secret
     hashes_per_block: list[int]
     hash_block_size: int
     scheduler_block_size: int
@@ -207,3 +210,12 @@ def _copy_regions(src: np.ndarray, dst: np.ndarray, lengths: np.ndarray) -> None
 
 def _xxh3_64_regions(addrs: np.ndarray, lengths: np.ndarray) -> np.ndarray:
     """XXH3-64 of each raw region, GIL released (``kvstride.arena``)."""
+
+
+class StoreSecret:
+    """The value MAC of a deployment secret (>= 32 bytes; issue 17)."""
+    def __init__(self, secret: bytes) -> None: ...
+    def payload_tags(self, values: Sequence[Sequence[Any]]) -> list[int]:
+        """u64_le(BLAKE3_keyed(k_payload, payload)[:8]) of each value (a list of parts)."""
+    def header_macs(self, keys: Sequence[str], lengths: Sequence[int], tags: Sequence[int]) -> list[bytes]:
+        """BLAKE3_keyed(k_mac, u32_le(len(key)) || key || u64_le(length) || u64_le(tag))[:16]."""

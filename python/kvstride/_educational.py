@@ -38,6 +38,7 @@ __all__ = [
     "hashes_per_block",
     "stride_keys",
     "Namespace",
+    "StoreSecret",
     "layout_fingerprint",
     "TailPlan",
     "SavePlan",
@@ -593,6 +594,157 @@ def dedup_gets(gets: Sequence[Tuple[str, int, int]]) -> Tuple[List[str], List[Li
 
 
 # =============================================================================================
+# Keyed BLAKE3 (issue 17; SEMANTICS §3 "Keyed keys"): the reference algorithm, in plain Python
+# =============================================================================================
+
+_B3_IV = (0x6A09E667, 0xBB67AE85, 0x3C6EF372, 0xA54FF53A, 0x510E527F, 0x9B05688C, 0x1F83D9AB, 0x5BE0CD19)
+_B3_PERM = (2, 6, 3, 10, 7, 0, 4, 13, 1, 11, 12, 5, 9, 14, 15, 8)
+_CHUNK_START, _CHUNK_END, _PARENT, _ROOT, _KEYED_HASH = 1, 2, 4, 8, 16
+_DERIVE_KEY_CONTEXT, _DERIVE_KEY_MATERIAL = 32, 64
+_M32 = 0xFFFFFFFF
+
+
+def _b3_g(v, a, b, c, d, x, y):
+    v[a] = (v[a] + v[b] + x) & _M32
+    v[d] = v[d] ^ v[a]
+    v[d] = ((v[d] >> 16) | (v[d] << 16)) & _M32
+    v[c] = (v[c] + v[d]) & _M32
+    v[b] = v[b] ^ v[c]
+    v[b] = ((v[b] >> 12) | (v[b] << 20)) & _M32
+    v[a] = (v[a] + v[b] + y) & _M32
+    v[d] = v[d] ^ v[a]
+    v[d] = ((v[d] >> 8) | (v[d] << 24)) & _M32
+    v[c] = (v[c] + v[d]) & _M32
+    v[b] = v[b] ^ v[c]
+    v[b] = ((v[b] >> 7) | (v[b] << 25)) & _M32
+
+
+def _b3_compress(cv, block_words, counter, block_len, flags):
+    """The BLAKE3 compression function: 16 output words."""
+    v = list(cv) + list(_B3_IV[:4]) + [counter & _M32, (counter >> 32) & _M32, block_len, flags]
+    m = list(block_words)
+    for r in range(7):
+        _b3_g(v, 0, 4, 8, 12, m[0], m[1])
+        _b3_g(v, 1, 5, 9, 13, m[2], m[3])
+        _b3_g(v, 2, 6, 10, 14, m[4], m[5])
+        _b3_g(v, 3, 7, 11, 15, m[6], m[7])
+        _b3_g(v, 0, 5, 10, 15, m[8], m[9])
+        _b3_g(v, 1, 6, 11, 12, m[10], m[11])
+        _b3_g(v, 2, 7, 8, 13, m[12], m[13])
+        _b3_g(v, 3, 4, 9, 14, m[14], m[15])
+        if r < 6:
+            m = [m[i] for i in _B3_PERM]
+    return [v[i] ^ v[i + 8] for i in range(8)] + [v[i + 8] ^ cv[i] for i in range(8)]
+
+
+def _b3_words(block: bytes):
+    return [int.from_bytes(block[i : i + 4], "little") for i in range(0, 64, 4)]
+
+
+def _blake3(data: bytes, key_words, flags: int, out_len: int) -> bytes:
+    """BLAKE3 of ``data`` with chaining key ``key_words`` and mode ``flags``; ``out_len`` bytes."""
+    chunks = [data[i : i + 1024] for i in range(0, len(data), 1024)] or [b""]
+    stack = []  # chaining values of complete subtrees, merged like a binary counter
+
+    def chunk_output(index, chunk):
+        cv = list(key_words)
+        blocks = [chunk[i : i + 64] for i in range(0, len(chunk), 64)] or [b""]
+        for j, block in enumerate(blocks):
+            f = flags | (_CHUNK_START if j == 0 else 0)
+            if j == len(blocks) - 1:
+                return cv, _b3_words(block.ljust(64, b"\0")), index, len(block), f | _CHUNK_END
+            cv = _b3_compress(cv, _b3_words(block), index, 64, f)[:8]
+
+    for index, chunk in enumerate(chunks[:-1]):
+        cv = _b3_compress(*chunk_output(index, chunk))[:8]
+        total = index + 1
+        while total & 1 == 0:  # merge completed pairs of subtrees
+            cv = _b3_compress(key_words, stack.pop() + cv, 0, 64, flags | _PARENT)[:8]
+            total >>= 1
+        stack.append(cv)
+    output = chunk_output(len(chunks) - 1, chunks[-1])
+    while stack:  # the root is the last node: fold the stack into it, right to left
+        right = _b3_compress(*output)[:8]
+        output = (list(key_words), stack.pop() + right, 0, 64, flags | _PARENT)
+    cv, words, _, block_len, f = output
+    out = b""
+    for counter in range((out_len + 63) // 64):  # extendable output: the root, counter 0, 1, ...
+        out += b"".join(w.to_bytes(4, "little") for w in _b3_compress(cv, words, counter, block_len, f | _ROOT))
+    return out[:out_len]
+
+
+def blake3_keyed(key: bytes, data: bytes, out_len: int = 32) -> bytes:
+    """BLAKE3 in keyed mode (a 32-byte key): a PRF / MAC."""
+    assert len(key) == 32
+    return _blake3(data, _b3_words(key[:32] + b"\0" * 32)[:8], _KEYED_HASH, out_len)
+
+
+def blake3_derive_key(context: str, material: bytes) -> bytes:
+    """BLAKE3's key derivation: a 32-byte subkey of ``material`` for one ``context``."""
+    context_key = _blake3(context.encode(), _B3_IV, _DERIVE_KEY_CONTEXT, 32)
+    return _blake3(material, _b3_words(context_key + b"\0" * 32)[:8], _DERIVE_KEY_MATERIAL, 32)
+
+
+_NAME_CONTEXT = "kvstride 2026-12 store key names"
+_PAYLOAD_CONTEXT = "kvstride 2026-12 value payload tag"
+_MAC_CONTEXT = "kvstride 2026-12 value header mac"
+_MIN_SECRET_BYTES = 32
+
+
+def _check_secret(secret) -> bytes:
+    if not isinstance(secret, (bytes, bytearray, memoryview)):
+        raise TypeError(f"secret must be bytes, got {type(secret).__name__}")
+    secret = bytes(secret)
+    if len(secret) < _MIN_SECRET_BYTES:
+        raise ValueError(
+            f"the secret has {len(secret)} bytes; it needs at least {_MIN_SECRET_BYTES} "
+            "(kvstride.secret.generate_secret_file writes one)"
+        )
+    return secret
+
+
+def keyed_block_hash(secret: bytes, prefix: str, block_hash: bytes) -> bytes:
+    """§3 "Keyed keys": the hash part of a key under a deployment secret,
+    ``BLAKE3_keyed(k_name, u32_le(len(prefix)) || prefix || block_hash)``, as long as the
+    block hash; ``prefix`` is ``"{namespace}@group:{g}@"``."""
+    k_name = blake3_derive_key(_NAME_CONTEXT, secret)
+    p = prefix.encode()
+    return blake3_keyed(k_name, len(p).to_bytes(4, "little") + p + block_hash, len(block_hash))
+
+
+class StoreSecret:
+    """The value MAC of a deployment secret: a payload tag (a u64, where the XXH3-64 goes
+    without a secret) and a 16-byte header MAC over key || length || tag."""
+
+    def __init__(self, secret: bytes) -> None:
+        secret = _check_secret(secret)
+        self._payload = blake3_derive_key(_PAYLOAD_CONTEXT, secret)
+        self._mac = blake3_derive_key(_MAC_CONTEXT, secret)
+
+    def payload_tags(self, values) -> List[int]:
+        """``u64_le(BLAKE3_keyed(k_payload, payload)[:8])`` of each value (a list of parts)."""
+        out = []
+        for parts in values:
+            data = b"".join(bytes(memoryview(p).cast("B")) for p in parts)
+            out.append(int.from_bytes(blake3_keyed(self._payload, data, 8), "little"))
+        return out
+
+    def header_macs(self, keys, lengths, tags) -> List[bytes]:
+        """``BLAKE3_keyed(k_mac, u32_le(len(key)) || key || u64_le(length) || u64_le(tag))[:16]``."""
+        if not len(keys) == len(lengths) == len(tags):
+            raise ValueError("keys, lengths and tags must have the same length")
+        out = []
+        for key, n, t in zip(keys, lengths, tags):
+            k = key.encode()
+            msg = len(k).to_bytes(4, "little") + k + int(n).to_bytes(8, "little") + int(t).to_bytes(8, "little")
+            out.append(blake3_keyed(self._mac, msg, 16))
+        return out
+
+    def __repr__(self) -> str:
+        return "StoreSecret(..)"
+
+
+# =============================================================================================
 # §3-§7 The planner
 # =============================================================================================
 
@@ -612,8 +764,10 @@ class KeyPlanner:
         tp_size: int = 1,
         tp_rank: Optional[int] = None,
         pp_rank: Optional[int] = None,
+        secret: Optional[bytes] = None,
     ) -> None:
         groups = _check_groups(groups)
+        self._secret = None if secret is None else _check_secret(secret)
         H = _int("hash_block_size", hash_block_size)
         S = _int("scheduler_block_size", scheduler_block_size)
         dcp = _positive_int("dcp", dcp)
@@ -718,7 +872,15 @@ class KeyPlanner:
         return self._namespace.text(key_tp_rank)
 
     def _key_in(self, g: int, block_hash: bytes, key_tp_rank: int) -> str:
-        return f"{self._namespace_text(key_tp_rank)}@group:{g}@{block_hash.hex()}"
+        prefix = f"{self._namespace_text(key_tp_rank)}@group:{g}@"
+        if self._secret is not None:  # §3 "Keyed keys"
+            return prefix + keyed_block_hash(self._secret, prefix, block_hash).hex()
+        return prefix + block_hash.hex()
+
+    @property
+    def keyed(self) -> bool:
+        """True when keys are keyed with a deployment secret (§3 "Keyed keys")."""
+        return self._secret is not None
 
     def key(self, group: int, block_hash: bytes) -> str:
         """This rank's key: ``{namespace with tp_rank // replication}@group:{g}@{hex}``."""
