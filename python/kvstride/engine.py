@@ -167,6 +167,8 @@ class OffloadEngine:
         self._fused_digests = (
             getattr(store, "takes_digests", False) and store.verify and self.transfer is not None and not self.transfer.cuda
         )
+        if self._fused_digests:  # with a deployment secret the digest is the MAC's payload tag
+            self.transfer.mac_secret = getattr(store, "mac_secret", None)
         self._num_blocks = None if self.layout is None else [g.num_blocks for g in self.layout.groups]
         self._block_bytes = None if self.layout is None else [g.block_bytes for g in self.layout.groups]
         # Blocks go straight between the KV tensors and a store that can copy them itself.

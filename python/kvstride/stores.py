@@ -20,6 +20,11 @@ and its slots (``save_blocks`` / ``load_blocks``), which is what ``OffloadEngine
 Mooncake value is a 64-byte header followed by the parts' bytes in order: a format version,
 the layout fingerprint, a digest of the key, the payload length and the payload's XXH3-64.
 
+With a deployment secret (``MooncakeStore(..., secret=)``, issue 17) the header is version 2: the
+digest field holds a keyed payload tag and the last 16 bytes a keyed MAC over key, length and
+tag, so a value written without the secret is ``CORRUPT``, removed and counted
+(``counters["mac_rejected"]``), never loaded.
+
 Verified reads (``verify=True``, the default): a value whose digest (or header) does not match
 is reported ``Status.CORRUPT`` and removed from the store. For ``get`` the bytes of a non-OK
 key in its destination buffers are undefined: destinations must be staging buffers, and only
@@ -39,6 +44,7 @@ import concurrent.futures
 import contextlib
 import ctypes
 import enum
+import hmac
 import importlib.util
 import logging
 import os
@@ -76,6 +82,7 @@ __all__ = [
     "start_master",
     "HEADER_BYTES",
     "FORMAT_VERSION",
+    "FORMAT_VERSION_MAC",
 ]
 
 log = logging.getLogger("kvstride.stores")
@@ -85,10 +92,23 @@ FORMAT_VERSION = 1
 _MAGIC = b"KVS\x01"
 _HDR = struct.Struct("<4sHH8s16sQQ")  # magic, version, flags, fingerprint, key digest, len, xxh3
 _FLAG_HASHED = 1
+# With a deployment secret (issue 17, ``secret=``): version 2, flags HASHED | MAC, the digest
+# field holds the keyed payload tag T (``StoreSecret.payload_tags``) and bytes 48..64 the header
+# MAC, BLAKE3_keyed(k_mac, u32_le(len(key)) || key || u64_le(len) || u64_le(T))[:16]: together a
+# MAC over key || payload that nobody without the secret can compute. Values without a secret
+# stay version 1, byte for byte as before.
+FORMAT_VERSION_MAC = 2
+_FLAG_MAC = 2
+_MAC_AT = _HDR.size  # 48: the MAC fills the header's last 16 bytes
+_NO_MAC = "no MAC: written without the deployment secret"
+_BAD_MAC = "MAC mismatch: written without the deployment secret"
+_MAC_REJECTS = frozenset({_NO_MAC, _BAD_MAC})
 # Verification failures that mean the stored bytes themselves are bad (removed from the store so
 # that the next put rewrites them); a length or fingerprint mismatch may be a value that is
 # right for another reader and is left alone.
-_BAD_CONTENT = frozenset({"short header", "short value", "bad magic/version", "key digest mismatch", "payload hash mismatch"})
+_BAD_CONTENT = frozenset(
+    {"short header", "short value", "bad magic/version", "key digest mismatch", "payload hash mismatch", _NO_MAC, _BAD_MAC}
+)
 
 
 class Status(enum.Enum):
@@ -187,7 +207,7 @@ try:
     _xxh3_parts = _rcore.xxh3_64_parts
     _xxh3_batch = _rcore.xxh3_64_batch
 except (ImportError, AttributeError):  # pragma: no cover - core not built
-    _xxh3_parts = _xxh3_batch = None
+    _rcore = _xxh3_parts = _xxh3_batch = None
 
 
 def _views(parts) -> list:
@@ -238,12 +258,20 @@ class KVStore:
     #: hashes the payload while it copies it (``OffloadEngine`` on a CPU KV cache).
     takes_digests = False
 
-    def __init__(self, fingerprint: bytes = b"\0" * 8, verify: bool = True) -> None:
+    def __init__(self, fingerprint: bytes = b"\0" * 8, verify: bool = True, secret: Optional[bytes] = None) -> None:
+        # ``secret``: the deployment key (kvstride.secret.load_secret); every value written gets a
+        # MAC and every value read must carry a valid one (a value without is CORRUPT, removed and
+        # counted in ``counters["mac_rejected"]``). None: values as without it (no MAC).
+        self.mac_secret = None
+        if secret is not None:
+            if _rcore is None:  # pragma: no cover - core not built
+                raise RuntimeError("a store secret needs the kvstride core (kvstride._core)")
+            self.mac_secret = _rcore.StoreSecret(bytes(secret))
         if isinstance(fingerprint, str):
             fingerprint = bytes.fromhex(fingerprint) if len(fingerprint) == 16 else fingerprint.encode()
         fingerprint = bytes(fingerprint)[:8].ljust(8, b"\0")
         self.fingerprint = fingerprint
-        self.verify = bool(verify)
+        self.verify = bool(verify) or self.mac_secret is not None  # a MAC is always checked
         self.counters: collections.Counter = collections.Counter()
         self._logged: set = set()
         self._note_lock = threading.Lock()  # the caller's thread and the engine's lanes all count
@@ -291,9 +319,21 @@ class KVStore:
         for status, count in collections.Counter(statuses).items():
             self._note(op, status, count)
 
+    def _payload_digests(self, values) -> list:
+        """Each value's payload digest: XXH3-64, or with a secret the keyed payload tag."""
+        if self.mac_secret is not None:
+            return self.mac_secret.payload_tags([_views(parts) for parts in values])
+        return _hash_many(values)
+
     def _make_header(self, key: str, parts, digest: Optional[int] = None) -> bytes:
         """``digest``: the payload hash when the caller computed it already (``_hash_many``)."""
         length = sum(n for _, n in parts)
+        if self.mac_secret is not None:
+            if digest is None:
+                digest = self._payload_digests([parts])[0]
+            mac = self.mac_secret.header_macs([key], [length], [digest])[0]
+            flags = _FLAG_HASHED | _FLAG_MAC
+            return _HDR.pack(_MAGIC, FORMAT_VERSION_MAC, flags, self.fingerprint, _key_digest(key), length, digest) + mac
         if self.verify:
             if digest is None:
                 digest = _hash_parts(parts)
@@ -311,8 +351,16 @@ class KVStore:
             magic, ver, flags, fp, kd, length, digest = _HDR.unpack_from(header, 0)
         except struct.error:
             return "short header"
-        if magic != _MAGIC or ver != FORMAT_VERSION:
+        if magic != _MAGIC or ver not in (FORMAT_VERSION, FORMAT_VERSION_MAC):
             return "bad magic/version"
+        if self.mac_secret is not None:  # first: a forged header is removed whatever it claims
+            if ver != FORMAT_VERSION_MAC or not flags & _FLAG_MAC or len(header) < HEADER_BYTES:
+                return _NO_MAC
+            want = self.mac_secret.header_macs([key], [length], [digest])[0]
+            if not hmac.compare_digest(bytes(header[_MAC_AT:HEADER_BYTES]), want):
+                return _BAD_MAC
+        elif ver != FORMAT_VERSION:
+            return "value carries a MAC (written with a deployment secret this store lacks)"
         if fp != self.fingerprint:
             return "layout fingerprint mismatch"
         if kd != _key_digest(key):
@@ -325,9 +373,9 @@ class KVStore:
             if defer_payload:
                 return ""
             if payload_hash is None:
-                payload_hash = _hash_parts(payload_parts or parts)
+                payload_hash = self._payload_digests([payload_parts or parts])[0]
             if payload_hash != digest:
-                return "payload hash mismatch"
+                return _BAD_MAC if self.mac_secret is not None else "payload hash mismatch"
         return ""
 
     def _prepare(self, op: str, keys: list, buffers, writable: bool):
@@ -1011,8 +1059,9 @@ class MooncakeStore(KVStore):
         setup_retries: int = 2,
         connect_timeout: float = 2.0,
         retry_after_s: float = 1.0,
+        secret: Optional[bytes] = None,
     ) -> None:
-        super().__init__(fingerprint, verify)
+        super().__init__(fingerprint, verify, secret)
         self._owned_master: Optional[MasterProcess] = None
         if local_hostname is None and master is None:
             local_hostname = "127.0.0.1"  # the master it starts below listens there
@@ -1070,6 +1119,7 @@ class MooncakeStore(KVStore):
         *,
         fingerprint: bytes = b"\0" * 8,
         verify: bool = True,
+        secret: Optional[bytes] = None,
     ) -> "MooncakeStore":
         """A client as ``config`` (:func:`kvstride.mooncake_config.resolve_client_config`) says;
         ``global_segment_size`` 0 makes a pure client whose objects live in a holder's segment
@@ -1085,6 +1135,7 @@ class MooncakeStore(KVStore):
             rdma_devices=config.device_name,
             fingerprint=fingerprint,
             verify=verify,
+            secret=secret,
         )
 
     # -- guard: never a call after close(), fail fast while the master is down --
@@ -1199,12 +1250,12 @@ class MooncakeStore(KVStore):
         if todo:
             hdr = self._headers(len(todo))
             hbase = hdr.ctypes.data
-            if not self.verify:
+            if not self.verify and self.mac_secret is None:
                 digests = [None] * len(todo)
             elif digests is not None and len(digests) == len(keys):
                 digests = [int(digests[i]) for i in todo]
             else:
-                digests = _hash_many([regs[i] for i in todo])
+                digests = self._payload_digests([regs[i] for i in todo])
             hdr[: len(todo) * HEADER_BYTES] = np.frombuffer(
                 b"".join(self._make_header(keys[i], regs[i], digests[j]) for j, i in enumerate(todo)), np.uint8
             )
@@ -1262,7 +1313,7 @@ class MooncakeStore(KVStore):
             hashes: dict = {}
             if self.verify and not defer:  # every full-sized value's payload, hashed in place in one call
                 full = [j for j, (i, rc) in enumerate(zip(todo, codes)) if rc == HEADER_BYTES + totals[i]]
-                hashes = dict(zip(full, _hash_many([regs[todo[j]] for j in full])))
+                hashes = dict(zip(full, self._payload_digests([regs[todo[j]] for j in full])))
             headers = hdr.tobytes()
             for j, (i, rc) in enumerate(zip(todo, codes)):
                 st = _status_of(rc, "get")
@@ -1278,6 +1329,9 @@ class MooncakeStore(KVStore):
                         st = Status.CORRUPT
                         if why in _BAD_CONTENT:
                             corrupt.append(keys[i])
+                        if why in _MAC_REJECTS:
+                            with self._note_lock:
+                                self.counters["mac_rejected"] += 1
                 elif st is Status.CORRUPT:
                     why = f"code {rc} (value larger than the destination)"
                 elif rc == -800 and self._size_differs(keys[i], HEADER_BYTES + totals[i]):
@@ -1306,7 +1360,10 @@ class MooncakeStore(KVStore):
             return
         with self._note_lock:
             self.counters["get.ok"] -= len(keys)
-        self._note("get", Status.CORRUPT, len(keys), f"{keys[0]!r}: payload hash mismatch")
+            if self.mac_secret is not None:  # the payload tag is the MAC's: a forged payload
+                self.counters["mac_rejected"] += len(keys)
+        why = _BAD_MAC if self.mac_secret is not None else "payload hash mismatch"
+        self._note("get", Status.CORRUPT, len(keys), f"{keys[0]!r}: {why}")
         self._remove(keys)
 
     def _size_differs(self, key: str, want: int) -> bool:

@@ -244,6 +244,7 @@ class Transfer:
 
     def __init__(self, layout: KVLayout, pool: StagingPool, *, stream=None) -> None:
         self.layout = layout
+        self.mac_secret = None  # a StoreSecret: CPU digests are keyed payload tags (the store's MAC)
         self.pool = pool
         self.device = layout.device or torch.device("cpu")
         self.cuda = self.device.type == "cuda"
@@ -377,7 +378,9 @@ class Transfer:
         fights vLLM's bound OpenMP threads (a 144 KiB scatter took 60-80 ms).
 
         ``digests`` (gather): also keep each entry's XXH3-64, hashed while it is in cache.
-        ``expected`` (scatter): write an entry only if its staged bytes have that digest."""
+        ``expected`` (scatter): write an entry only if its staged bytes have that digest.
+        With ``self.mac_secret`` (a ``StoreSecret``, set by the engine from a store keyed with a
+        deployment secret) the digest is the keyed payload tag of the value's MAC instead."""
         from kvstride import _core
 
         rows = self._cpu_rows(batch, ok)
@@ -389,10 +392,10 @@ class Transfer:
             return Fence()
         kv, pool, length, row_start, order = rows
         if digests:
-            batch.digests[order] = _core._save_rows(kv, pool, length, row_start)
+            batch.digests[order] = _core._save_rows(kv, pool, length, row_start, self.mac_secret)
         elif expected is not None:
             want = np.asarray(expected, dtype=np.uint64)[order]
-            batch.verified[order] = _core._load_rows(pool, kv, length, row_start, want)
+            batch.verified[order] = _core._load_rows(pool, kv, length, row_start, want, self.mac_secret)
         else:
             _core._copy_regions(*((kv, pool) if to_pool else (pool, kv)), length)
         return Fence()
