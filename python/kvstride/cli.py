@@ -277,10 +277,36 @@ def _write_atomically(path: str, text: str) -> None:
     os.replace(partial, path)
 
 
+def _report_sockets(master, holder) -> None:
+    """Print what the master and this process (the segment holder) listen on, measured from the
+    kernel's socket tables (kvstride.exposure), one JSON line then a warning for wildcard ones."""
+    import json
+    import os
+
+    from kvstride.exposure import describe, listening_sockets
+
+    sockets = {"mooncake_master": listening_sockets(master.pid), "segment_holder": listening_sockets()}
+    shown = {who: [str(s) for s in found] for who, found in sockets.items()}
+    print(f"kvstride store: listening sockets (measured): {json.dumps(shown)}", file=sys.stderr, flush=True)
+    wild = [f"{s} ({who}, pid {master.pid if who == 'mooncake_master' else os.getpid()})"
+            for who, found in sockets.items() for s in found if s.wildcard]
+    if wild:
+        print(
+            f"kvstride store: WARNING: {', '.join(wild)} listen on all interfaces whatever --host says: Mooncake's "
+            "TCP transport binds its data port to [::] (dual-stack) and its handshake port to 0.0.0.0 and offers no "
+            "option to bind one address. Whoever reaches them can read and write the segment's memory: run the "
+            "store and the engines on an isolated network or behind a firewall (README: Trust model). "
+            f"All: {describe(sockets['segment_holder'])}",
+            file=sys.stderr,
+            flush=True,
+        )
+
+
 def store_serve(args) -> int:
     """Run ``mooncake_master`` plus one client that holds ``--bytes`` of segment, so that engines
     can be pure clients (segment 0) whose objects outlive them; stop on SIGINT / SIGTERM."""
     import json
+    import os
     import signal
     import threading
 
@@ -302,6 +328,20 @@ def store_serve(args) -> int:
             file=sys.stderr,
         )
         return 2
+    secret_note = None
+    if args.secret_file:
+        from kvstride.secret import generate_secret_file, load_secret
+
+        try:
+            if os.path.lexists(args.secret_file):
+                load_secret(args.secret_file)  # refuses a weak or group/other-readable key
+                secret_note = f"using the existing key in {args.secret_file}"
+            else:
+                generate_secret_file(args.secret_file)
+                secret_note = f"generated a new key in {args.secret_file} (mode 0600)"
+        except (ValueError, OSError) as err:
+            print(f"kvstride store serve: --secret-file: {err}", file=sys.stderr)
+            return 2
     stop = threading.Event()
     # Installed before anything starts, so that a signal during start-up still shuts down cleanly.
     previous = {sig: signal.signal(sig, lambda signum, frame: stop.set()) for sig in (signal.SIGINT, signal.SIGTERM)}
@@ -321,6 +361,16 @@ def store_serve(args) -> int:
             file=sys.stderr,
             flush=True,
         )
+        _report_sockets(master, holder)
+        if secret_note:
+            extra = json.dumps({"store": "mooncake", "secret_file": os.path.abspath(args.secret_file)})
+            print(
+                f"kvstride store: secret: {secret_note}. Copy it (mode 0600) to every engine host and add "
+                f"\"secret_file\" to each engine's kv_connector_extra_config, e.g. {extra}: with it, store keys "
+                "cannot be computed and values cannot be forged without the key. This process does not need it.",
+                file=sys.stderr,
+                flush=True,
+            )
         while not stop.wait(1.0):
             if not master.alive():
                 print(
@@ -397,9 +447,21 @@ def build_parser() -> argparse.ArgumentParser:
         help="start mooncake_master and one client holding the segment; print the engines' config (segment 0)",
     )
     serve.add_argument("--bytes", required=True, help="segment held for the engines' objects, e.g. 8G, 512MB")
-    serve.add_argument("--host", default="127.0.0.1", help="address to listen on and to give the engines (default: loopback)")
+    serve.add_argument(
+        "--host",
+        default="127.0.0.1",
+        help="address the master's RPC and metrics ports bind and the engines are given (default: 127.0.0.1). "
+        "Mooncake's segment holder still listens on all interfaces (its TCP data port on [::], its handshake port "
+        "on 0.0.0.0; no option binds one address): the command prints the sockets it measures",
+    )
     serve.add_argument("--port", type=int, default=None, help="master RPC port (default: a free one)")
     serve.add_argument("--config-out", metavar="PATH", help="also write the engines' config here (for MOONCAKE_CONFIG_PATH)")
+    serve.add_argument(
+        "--secret-file",
+        metavar="PATH",
+        help="the deployment key (created with mode 0600 when missing): engines that name it in "
+        "kv_connector_extra_config['secret_file'] key and MAC what they store with it",
+    )
     return parser
 
 

@@ -1092,6 +1092,9 @@ class MooncakeStore(KVStore):
             os.environ.setdefault("MC_STORE_CLIENT_SETUP_RETRIES", str(int(setup_retries)))
             if metadata_server != "P2PHANDSHAKE" and local_hostname.startswith("127."):
                 os.environ.setdefault("MC_TCP_BIND_ADDRESS", local_hostname)
+            from kvstride.exposure import listening_sockets
+
+            listening_before = set(listening_sockets())
             client = MooncakeDistributedStore()
             rc = client.setup(
                 local_hostname, metadata_server, int(segment_bytes), int(local_buffer_bytes), protocol, rdma_devices,
@@ -1103,6 +1106,11 @@ class MooncakeStore(KVStore):
             self._stop_owned()
             raise
         self._client = client
+        # Measured, not assumed (issue 17): what Mooncake's client opened in this process.
+        from kvstride.exposure import listening_sockets, log_listeners
+
+        self.listeners = [x for x in listening_sockets() if x not in listening_before]
+        log_listeners(f"MooncakeStore client of master {self.master_address}", only=self.listeners)
         self.protocol = protocol
         self.segment_bytes = int(segment_bytes)
         self._cv = threading.Condition()
