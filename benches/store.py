@@ -12,6 +12,11 @@ a CPU KV cache: the XXH3 is computed by the gather that copies the blocks into s
 and checked by the scatter that copies them out (get), so the store call itself only writes
 and checks headers; ``benches/engine.py`` times that whole path.  Ratio = raw time / kvstride
 time (goal >= 0.95).
+
+"MAC" rows: a store with a deployment secret (issue 17): the payload digest is a keyed BLAKE3 tag
+and the header carries a keyed MAC over key, length and tag; "tags with the copy" is again the
+engine's path (the tag rides the gather / scatter). The "gather" rows time what rides the copy:
+``_save_rows`` copying the same values into staging alone, with the XXH3-64, and with the keyed tag.
 """
 
 import argparse
@@ -51,6 +56,8 @@ def main():
     try:
         seg = 4 * total + (64 << 20)
         ms = {v: stores.MooncakeStore(master, segment_bytes=seg, verify=v, fingerprint=b"benchfp0") for v in (True, False)}
+        secret = bytes(range(32))
+        ms["mac"] = stores.MooncakeStore(master, segment_bytes=seg, fingerprint=b"benchfp0", secret=secret)
         raw = ms[True].client
         for s in ms.values():
             s.register_buffer(src.ctypes.data, src.nbytes)
@@ -66,18 +73,24 @@ def main():
 
         res = {}
         digests = np.array(stores._hash_many(parts_src), dtype=np.uint64)  # what the gather yields
-        names = ("raw", "verify=on", "verify=on, digests with the copy", "verify=off")
+        tags = np.array(ms["mac"].mac_secret.payload_tags([stores._views(p) for p in parts_src]), dtype=np.uint64)
+        names = ("raw", "verify=on", "verify=on, digests with the copy", "verify=off", "MAC", "MAC, tags with the copy")
         for _ in range(a.reps):
             for name in names:
                 ks = keys(name)
                 ptrs = [[p for p, _ in ps] for ps in parts_src]
                 sz = [[s for _, s in ps] for ps in parts_src]
                 t = time.perf_counter()
+                store = ms["mac"] if name.startswith("MAC") else ms[True]
+                want = tags if name.startswith("MAC") else digests
                 if name == "raw":
                     rc = raw.batch_put_from_multi_buffers(ks, ptrs, sz)
                     assert all(x == 0 for x in rc), rc[:4]
+                elif name == "MAC":
+                    st = store.put(ks, parts_src)
+                    assert all(x is stores.Status.OK for x in st)
                 elif name.endswith("copy"):
-                    st = ms[True].put(ks, parts_src, digests=digests)
+                    st = store.put(ks, parts_src, digests=want)
                     assert all(x is stores.Status.OK for x in st)
                 else:
                     st = ms[name.startswith("verify=on")].put(ks, parts_src)
@@ -88,10 +101,13 @@ def main():
                 if name == "raw":
                     rc = raw.batch_get_into_multi_buffers(ks, dptrs, sz)
                     assert all(x == size for x in rc), rc[:4]
+                elif name == "MAC":
+                    st = store.get(ks, parts_dst)
+                    assert all(x is stores.Status.OK for x in st)
                 elif name.endswith("copy"):
                     got = [0] * n
-                    st = ms[True].get(ks, parts_dst, digests_out=got)
-                    assert all(x is stores.Status.OK for x in st) and got == digests.tolist()
+                    st = store.get(ks, parts_dst, digests_out=got)
+                    assert all(x is stores.Status.OK for x in st) and got == want.tolist()
                 else:
                     st = ms[name.startswith("verify=on")].get(ks, parts_dst)
                     assert all(x is stores.Status.OK for x in st)
@@ -114,6 +130,28 @@ def main():
     finally:
         master.stop()
 
+    # What rides the gather: one _save_rows over the same values into staging (dst).
+    from kvstride import _core
+
+    u64 = lambda xs: np.array(xs, dtype=np.uint64)  # noqa: E731
+    src_a = u64([a for ps in parts_src for a, _ in ps])
+    dst_a = u64([a for ps in parts_dst for a, _ in ps])
+    lens = u64([m for ps in parts_src for _, m in ps])
+    starts = u64(range(0, 2 * n + 1, 2))
+    secret_obj = _core.StoreSecret(bytes(range(32)))
+    gathers = {"copy only": lambda: _core._copy_regions(src_a, dst_a, lens),
+               "copy + XXH3-64": lambda: _core._save_rows(src_a, dst_a, lens, starts),
+               "copy + keyed BLAKE3 tag": lambda: _core._save_rows(src_a, dst_a, lens, starts, secret_obj)}
+    gt = {k: [] for k in gathers}
+    for _ in range(a.reps):
+        for k, f in gathers.items():
+            t = time.perf_counter()
+            f()
+            gt[k].append(time.perf_counter() - t)
+    base = med(gt["copy only"])
+    for k in gathers:
+        rows.append((f"gather ({k})", med(gt[k]), base / med(gt[k])))
+
     for v in (True, False):
         es = stores.EmbeddedStore(4 * total, verify=v, slot_bytes=size)
         es.register_buffer(src.ctypes.data, src.nbytes)  # raw parts must lie in registered buffers
@@ -135,7 +173,7 @@ def main():
     print(f"machine: {platform.machine()}, {os.cpu_count()} cores, loopback, in-process segment (memcpy)")
     print(f"{n} keys x {size // 1024} KiB (2 parts each) = {total / 2**20:.0f} MiB per op, median of {a.reps}")
     print()
-    print("| op | median | GB/s | ratio vs raw Mooncake |")
+    print("| op | median | GB/s | ratio vs raw Mooncake (gather rows: vs copy only) |")
     print("|---|---|---|---|")
     for name, tm, ratio in rows:
         gbs = "" if "exists" in name else f"{total / tm / 1e9:.2f}"
