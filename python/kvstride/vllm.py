@@ -50,6 +50,7 @@ Configuration that cannot work raises ``ValueError`` at construction.
 from __future__ import annotations
 
 import collections
+import hashlib
 import logging
 import threading
 import time
@@ -64,6 +65,7 @@ from kvstride.arena import HostArena, SlotIndex, slots_for
 from kvstride.engine import LoadRequest, OffloadEngine, SaveRequest
 from kvstride.layout import KVLayout
 from kvstride.mooncake_config import parse_size
+from kvstride.secret import load_secret
 from kvstride.stores import KVStore
 from kvstride.transfer import StagingPool, Transfer, staging_bytes_for
 from kvstride.vllm_checks import check_reproducible_hashes
@@ -305,6 +307,10 @@ class KVStrideConnector(KVConnectorBase_V1, SupportsHMA):
             raise ValueError("KVStrideConnector needs vLLM's kv_cache_config (vLLM >= 0.32)")
         extra = dict(self._kv_transfer_config.kv_connector_extra_config or {})
         self._extra = extra
+        # The deployment key (issue 17): keyed store keys and, on Mooncake, a MAC on every value.
+        # A missing, unreadable, group/other-readable or weak file is a ValueError naming it.
+        secret_file = extra.get("secret_file")
+        secret = load_secret(secret_file) if secret_file else None
         groups = group_specs(kv_cache_config, vllm_config)
         self.groups = groups
         S, H = kvstride.resolve_block_sizes(groups)
@@ -333,7 +339,8 @@ class KVStrideConnector(KVConnectorBase_V1, SupportsHMA):
             tp_rank=tp_rank,
         )
         self.planner = kvstride.KeyPlanner(
-            groups, hash_block_size=H, scheduler_block_size=S, namespace=namespace, tp_size=tp_size, tp_rank=tp_rank
+            groups, hash_block_size=H, scheduler_block_size=S, namespace=namespace, tp_size=tp_size, tp_rank=tp_rank,
+            secret=secret,
         )
         if self.arena_mode:
             self.store = None
@@ -342,7 +349,14 @@ class KVStrideConnector(KVConnectorBase_V1, SupportsHMA):
         else:
             # Engines share what they store: their block hashes must agree.
             check_reproducible_hashes(vllm_config, shared=True)
-            self.store = self._make_store(extra, bytes.fromhex(fp))
+            if secret is None:
+                log.warning(
+                    "kvstride: store 'mooncake' without a secret_file: values are unauthenticated and keys are a "
+                    "public function of the tokens, so any client of the Mooncake master can write KV this engine "
+                    "loads and probe which prompts were sent; set kv_connector_extra_config['secret_file'] "
+                    "(`kvstride store serve --secret-file PATH` creates one; README: Trust model)"
+                )
+            self.store = self._make_store(extra, bytes.fromhex(fp), secret)
         self.engine: Optional[OffloadEngine] = None
         self.world_size = max(1, int(getattr(pc, "world_size", 1) or 1))
         # scheduler side, arena
@@ -391,7 +405,7 @@ class KVStrideConnector(KVConnectorBase_V1, SupportsHMA):
     # ---- shared ----------------------------------------------------------------------------
 
     @staticmethod
-    def _make_store(extra: dict, fingerprint: bytes) -> KVStore:
+    def _make_store(extra: dict, fingerprint: bytes, secret: Optional[bytes] = None) -> KVStore:
         """The Mooncake client, configured the way vLLM's MooncakeStoreConnector is
         (``MOONCAKE_CONFIG_PATH``), explicit ``mooncake_*`` keys overriding the file."""
         kind = str(extra.get("store"))
@@ -402,7 +416,11 @@ class KVStrideConnector(KVConnectorBase_V1, SupportsHMA):
 
         config = resolve_client_config(extra)
         name = f"mooncake:{config.master_server_address}:{extra.get('store_name', 'default')}"
-        return shared_store(name, fingerprint, lambda: MooncakeStore.from_config(config, fingerprint=fingerprint))
+        if secret is not None:  # connectors with different keys never share a client; the key itself stays out
+            name += ":key:" + hashlib.sha256(b"kvstride secret id\0" + secret).hexdigest()[:16]
+        return shared_store(
+            name, fingerprint, lambda: MooncakeStore.from_config(config, fingerprint=fingerprint, secret=secret)
+        )
 
     # ---- stats (both roles: lookups count on the scheduler, transfers on the workers) ---------
 

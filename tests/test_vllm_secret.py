@@ -1,0 +1,128 @@
+"""Issue 17 in a real vLLM 0.32 CPU engine on a real Mooncake master: an attacker client without
+the deployment secret rewrites every stored value (a wrong but finite payload, every unkeyed
+header field recomputed) after each forced miss. With ``secret_file`` the engine rejects every
+forged value (counted, removed) and recomputes: P2 and the exact repeat are bit-identical to a
+run without a connector. The negative control, the same attack on an engine without a secret,
+changes the output: the attack is real."""
+
+from __future__ import annotations
+
+import os
+import urllib.request
+
+import numpy as np
+import pytest
+
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+vllm = pytest.importorskip("vllm")
+torch = pytest.importorskip("torch")
+
+from vllm import LLM  # noqa: E402
+
+import kvstride.vllm as kv_vllm  # noqa: E402
+import vllm_harness as harness  # noqa: E402
+from kvstride.secret import generate_secret_file  # noqa: E402
+from kvstride.stores import HEADER_BYTES, MooncakeStore, Status  # noqa: E402
+from mooncake_fixture import mooncake_master  # noqa: E402,F401  (fixtures)
+
+
+@pytest.fixture(scope="module")
+def model_dirs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("models")
+    return {name: m.build(root / name) for name, m in harness.MODELS.items()}
+
+
+@pytest.fixture(scope="module")
+def plain_outputs(model_dirs):
+    cache = {}
+
+    def get(name):
+        if name not in cache:
+            llm = LLM(**harness.engine_kwargs(harness.MODELS[name], model_dirs[name]))
+            try:
+                cache[name] = harness.scenario(llm)
+            finally:
+                harness.close(llm)
+        return cache[name]
+
+    return get
+
+
+class Attacker:
+    """A plain client of the master, without the secret. It lists the store's keys the way any
+    client can (the master's metrics port serves /get_all_keys) and rewrites each value."""
+
+    def __init__(self, master) -> None:
+        self.master = master
+        self.store = MooncakeStore(master, segment_bytes=0)
+        self.rewritten = 0
+
+    def keys(self, prefix: str) -> list:
+        url = f"http://{self.master.host}:{self.master.metrics_port}/get_all_keys"
+        return [k for k in urllib.request.urlopen(url, timeout=10).read().decode().split() if k.startswith(prefix)]
+
+    def rewrite_all(self, prefix: str) -> None:
+        raw = self.store.client
+        for key in self.keys(prefix):
+            value = raw.get(key)
+            if len(value) <= HEADER_BYTES:
+                continue
+            # Every unkeyed field recomputed: the fingerprint (printed in every key) from the old
+            # header, then put() writes magic, version, key digest, length and XXH3-64.
+            self.store.fingerprint = bytes(value[8:16])
+            forged = np.full(len(value) - HEADER_BYTES, 0x3C, np.uint8)  # finite in fp32, bf16, fp16
+            assert raw.remove(key, True) == 0
+            assert self.store.put([key], [[forged]]) == [Status.OK]
+            self.rewritten += 1
+
+    def close(self) -> None:
+        self.store.close()
+
+
+def _phases_with_attack(llm, attacker, prefix):
+    idle = harness.free_blocks(llm)
+    p1, p2 = harness.prompts()
+    out = {}
+    for seed, (phase, prompt) in enumerate((("p1", p1), ("p2", p2), ("repeat", p1))):
+        if seed:
+            harness.drain_and_forget(llm, seed)
+            attacker.rewrite_all(prefix)
+        out[phase] = harness.generate(llm, prompt)
+    harness.assert_idle(llm, idle)
+    return out
+
+
+def _worker(llm):
+    from vllm.distributed.kv_transfer.kv_transfer_state import get_kv_transfer_group
+
+    return get_kv_transfer_group()
+
+
+@pytest.mark.parametrize("name", ["llama", "gemma3", "qwen3_next"])
+@pytest.mark.parametrize("with_secret", [True, False], ids=["secret", "control-no-secret"])
+def test_forged_values(model_dirs, plain_outputs, mooncake_master, tmp_path, name, with_secret):
+    prefix = f"atk{os.getpid()}{name}{int(with_secret)}"
+    store = {"store": "mooncake", "mooncake_master": mooncake_master.address, "mooncake_local_hostname": "127.0.0.1",
+             "store_name": prefix, "cache_prefix": prefix}
+    if with_secret:
+        key = tmp_path / "deploy.key"
+        generate_secret_file(key)
+        store["secret_file"] = str(key)
+    attacker = Attacker(mooncake_master)
+    llm = LLM(**harness.engine_kwargs(harness.MODELS[name], model_dirs[name], connector=store))
+    try:
+        worker = _worker(llm)
+        got = _phases_with_attack(llm, attacker, prefix)
+        counters = dict(worker.counters)
+        rejected = worker.store.counters.get("mac_rejected", 0)
+    finally:
+        harness.close(llm)
+        kv_vllm.drop_shared_stores()
+        attacker.close()
+    assert attacker.rewritten > 0
+    if with_secret:
+        assert rejected > 0 and counters.get("loads_failed", 0) >= 1, (rejected, counters)
+        assert harness.mismatches(got, plain_outputs(name)) == []
+    else:
+        assert counters.get("get_ok", 0) > 0 and not counters.get("loads_failed"), counters
+        assert harness.mismatches(got, plain_outputs(name)) != [], "the forged KV changed nothing: no real attack"
