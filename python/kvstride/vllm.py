@@ -313,8 +313,9 @@ class KVStrideConnector(KVConnectorBase_V1, SupportsHMA):
         secret = load_secret(secret_file) if secret_file else None
         groups = group_specs(kv_cache_config, vllm_config)
         self.groups = groups
-        S, H = kvstride.resolve_block_sizes(groups)
         vllm_h = getattr(kv_cache_config, "hash_block_size", None)
+        # vLLM's hash block (its prefix_match_unit when one is set) is the unit kvstride keys by.
+        S, H = kvstride.resolve_block_sizes(groups, prefix_match_unit=None if vllm_h is None else int(vllm_h))
         if vllm_h is not None and int(vllm_h) != H:
             raise ValueError(
                 f"vLLM hashes blocks of {vllm_h} tokens but kvstride resolves H={H} for groups "
@@ -331,7 +332,7 @@ class KVStrideConnector(KVConnectorBase_V1, SupportsHMA):
         # Mooncake store is shared by every rank, so each keys (and stripes) its own heads, and
         # the scheduler looks up in every rank's namespace.
         tp_size = 1 if self.arena_mode else max(1, int(getattr(pc, "tensor_parallel_size", 1) or 1))
-        tp_rank = _tp_rank(pc, tp_size) if role == KVConnectorRole.WORKER else 0
+        tp_rank = _tp_rank(pc, tp_size) if role == KVConnectorRole.WORKER and tp_size > 1 else 0
         namespace = kvstride.Namespace(
             str(extra.get("model_id") or vllm_config.model_config.model),
             cache_prefix=extra.get("cache_prefix"),
