@@ -28,32 +28,10 @@ import kvstride.vllm as kv_vllm  # noqa: E402
 import vllm_harness as harness  # noqa: E402
 from kvstride.arena import HostArena  # noqa: E402
 from kvstride.stores import MooncakeStore, Status  # noqa: E402
+from vllm_fixtures import model_dirs, plain_outputs  # noqa: E402,F401  (fixtures)
 from mooncake_fixture import fresh_master, mooncake_master  # noqa: E402,F401  (fixtures)
 
 MODELS = list(harness.MODELS)
-
-
-@pytest.fixture(scope="module")
-def model_dirs(tmp_path_factory):
-    root = tmp_path_factory.mktemp("models")
-    return {name: m.build(root / name) for name, m in harness.MODELS.items()}
-
-
-@pytest.fixture(scope="module")
-def plain_outputs(model_dirs):
-    """Each model's scenario without a connector (computed once per module)."""
-    cache = {}
-
-    def get(name):
-        if name not in cache:
-            llm = LLM(**harness.engine_kwargs(harness.MODELS[name], model_dirs[name]))
-            try:
-                cache[name] = harness.scenario(llm)
-            finally:
-                harness.close(llm)
-        return cache[name]
-
-    return get
 
 
 @pytest.fixture(scope="module")

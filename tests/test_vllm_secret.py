@@ -23,29 +23,8 @@ import kvstride.vllm as kv_vllm  # noqa: E402
 import vllm_harness as harness  # noqa: E402
 from kvstride.secret import generate_secret_file  # noqa: E402
 from kvstride.stores import HEADER_BYTES, MooncakeStore, Status  # noqa: E402
+from vllm_fixtures import model_dirs, plain_outputs  # noqa: E402,F401  (fixtures)
 from mooncake_fixture import mooncake_master  # noqa: E402,F401  (fixtures)
-
-
-@pytest.fixture(scope="module")
-def model_dirs(tmp_path_factory):
-    root = tmp_path_factory.mktemp("models")
-    return {name: m.build(root / name) for name, m in harness.MODELS.items()}
-
-
-@pytest.fixture(scope="module")
-def plain_outputs(model_dirs):
-    cache = {}
-
-    def get(name):
-        if name not in cache:
-            llm = LLM(**harness.engine_kwargs(harness.MODELS[name], model_dirs[name]))
-            try:
-                cache[name] = harness.scenario(llm)
-            finally:
-                harness.close(llm)
-        return cache[name]
-
-    return get
 
 
 class Attacker:
@@ -122,6 +101,7 @@ def test_forged_values(model_dirs, plain_outputs, mooncake_master, tmp_path, nam
     assert attacker.rewritten > 0
     if with_secret:
         assert rejected > 0 and counters.get("loads_failed", 0) >= 1, (rejected, counters)
+        assert counters.get("mac_rejected") == rejected, counters  # in vLLM's stats as a failure
         assert harness.mismatches(got, plain_outputs(name)) == []
     else:
         assert counters.get("get_ok", 0) > 0 and not counters.get("loads_failed"), counters

@@ -447,6 +447,8 @@ class KVStrideConnector(KVConnectorBase_V1, SupportsHMA):
             out = collections.Counter(self._counters)
         if self.engine is not None:
             out.update(dict(self.engine.counters))
+        if self.store is not None:  # forged values the store's MAC check refused (issue 17)
+            out["mac_rejected"] += self.store.counters.get("mac_rejected", 0)
         return out
 
     def get_kv_connector_stats(self) -> Optional[KVStrideStats]:
