@@ -192,6 +192,9 @@ def explain(mix: Mix, args, out=None) -> int:
 def simulate(mix: Mix, args) -> int:
     import json
 
+    if getattr(args, "trace", None):
+        return simulate_trace(args)
+
     from kvstride.simulate import SimConfig, plot, print_table, run_simulation
 
     sizes, error = _try_resolve(mix.groups, mix.prefix_match_unit, args.dcp)
@@ -226,6 +229,40 @@ def simulate(mix: Mix, args) -> int:
     else:
         print_table(result)
     return 0 if result["verified"] else 1
+
+
+def simulate_trace(args) -> int:
+    """``simulate --trace FILE``: replay a Mooncake-format trace per policy x capacity."""
+    import json
+
+    from kvstride.simulate import DEFAULT_TRACE_CAPACITIES, plot_trace, print_trace_table, run_trace
+
+    model = args.model if args.model and args.model != "demo-model" else None
+    capacities = [c for text in (args.capacity or []) for c in text.split(",") if c.strip()]
+    policy = args.policy or "kvstride"
+    try:
+        results = run_trace(
+            args.trace,
+            model=model,
+            capacities=capacities or list(DEFAULT_TRACE_CAPACITIES),
+            policies=[policy] if policy != "all" else None,
+            progress=not args.json and not args.quiet,
+            limit=args.limit,
+            hedge_tokens=args.hedge_tokens,
+        )
+    except (OSError, ValueError) as err:
+        print(f"kvstride simulate --trace: {err}", file=sys.stderr)
+        return 2
+    if args.json:
+        for result in results:
+            print(json.dumps(result))
+    else:
+        print_trace_table(results)
+        if len({r["capacity_bytes"] for r in results}) > 1 or args.plot:
+            path = args.plot or "kvstride_trace_hit_rate.png"
+            plot_trace(results, path)
+            print(f"plot: {path}")
+    return 0 if all(r["unservable_hits"] == 0 for r in results) else 1
 
 
 # ---- bench -----------------------------------------------------------------------------------
@@ -433,6 +470,32 @@ def build_parser() -> argparse.ArgumentParser:
         default="async",
         help="async: a hit's load completes before its first computing step (the connector); "
         "sync: in that step, after vLLM's Mamba running-state copy (the old, wrong order)",
+    )
+    sim.add_argument(
+        "--trace",
+        metavar="FILE",
+        help="replay a Mooncake-format trace (JSON lines with input_length and hash_ids of 512-token "
+        "blocks) through the core and a capacity index; --model picks a geometry "
+        "(python/kvstride/models/*.json, default qwen3-next-80b)",
+    )
+    sim.add_argument(
+        "--capacity",
+        action="append",
+        metavar="SIZE",
+        help="with --trace: store capacity, e.g. 256G or 1T (binary units; repeat or comma-separate; "
+        "default 256G,1T,4T,16T)",
+    )
+    sim.add_argument(
+        "--policy",
+        default=None,
+        help="with --trace: dense | vllm-reachable | kvstride (default) | all",
+    )
+    sim.add_argument("--limit", type=int, default=None, help="with --trace: replay only the first N requests")
+    sim.add_argument(
+        "--hedge-tokens",
+        type=int,
+        default=512,
+        help="with --trace, kvstride policy: also checkpoint the last boundary this many tokens before the prompt end",
     )
     sim.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     sim.add_argument("--plot", metavar="FILE.png", help="draw hit rate and throughput per turn")

@@ -531,3 +531,61 @@ def run_simulation(cfg: SimConfig) -> dict:
         return sim.run()
     finally:
         sim.close()
+
+
+# ---- trace replay (``kvstride simulate --trace``) -------------------------------------------
+
+DEFAULT_TRACE_CAPACITIES = ("256G", "1T", "4T", "16T")
+
+
+def run_trace(path: str, *, model: Optional[str] = None, capacities=DEFAULT_TRACE_CAPACITIES,
+              policies=None, progress: bool = False, limit: Optional[int] = None, **kwargs) -> List[dict]:
+    """Replay a Mooncake-format trace (``kvstride.trace``) for each policy x capacity: one
+    result dict each (policy, model, capacity_bytes, requests, prompt_tokens, hit_tokens,
+    token_hit_rate, bytes_written, bytes_written_per_request, resident_bytes_by_kind ...)."""
+    from kvstride import trace as tr
+
+    requests = tr.read_trace(path, limit=limit)
+    geometry = tr.load_model(model or tr.DEFAULT_MODEL)
+    caps = [c if isinstance(c, int) else tr.parse_size(c) for c in capacities]
+    return tr.replay(requests, geometry, caps, list(policies or tr.POLICIES), progress=progress, **kwargs)
+
+
+def print_trace_table(results: List[dict], out=None) -> None:
+    out = out if out is not None else sys.stdout
+    if not results:
+        return
+    first = results[0]
+    print(f"model {first['model']}  ({first['groups']}, S={first['S']} H={first['H']})  "
+          f"{first['requests']} requests, {first['prompt_tokens']} prompt tokens", file=out)
+    dense = {r["capacity_bytes"]: r for r in results if r["policy"] == "dense"}
+    header = f"{'policy':<15} {'capacity':>8} {'hit rate':>9} {'vs dense':>9} {'GB written/req':>15} {'vs dense':>9}  resident by kind (GB)"
+    print(header, file=out)
+    for r in results:
+        d = dense.get(r["capacity_bytes"])
+        hit_ratio = f"{r['token_hit_rate'] / d['token_hit_rate']:.2f}x" if d and d["token_hit_rate"] else "-"
+        wr_ratio = f"{r['bytes_written'] / d['bytes_written']:.2f}x" if d and d["bytes_written"] else "-"
+        resident = ", ".join(f"{k} {v / 1e9:.0f}" for k, v in r["resident_bytes_by_kind"].items())
+        print(f"{r['policy']:<15} {r['capacity']:>8} {r['token_hit_rate']:>9.1%} {hit_ratio:>9} "
+              f"{r['bytes_written_per_request'] / 1e9:>15.3f} {wr_ratio:>9}  {resident}", file=out)
+    bad = sum(r["unservable_hits"] for r in results)
+    print(f"hits every group could not serve: {bad}", file=out)
+
+
+def plot_trace(results: List[dict], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for policy in dict.fromkeys(r["policy"] for r in results):
+        rows = sorted((r["capacity_bytes"], r["token_hit_rate"]) for r in results if r["policy"] == policy)
+        ax.plot([c / (1 << 30) for c, _ in rows], [h * 100 for _, h in rows], "o-", label=policy)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("store capacity (GiB)")
+    ax.set_ylabel("token hit rate (%)")
+    ax.set_title(f"kvstride simulate --trace: {results[0]['model']}")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path)

@@ -1,0 +1,245 @@
+"""Capacity policies for an offload store: which values to admit and which to evict.
+
+A store of fixed capacity is worth the hits it serves. For hybrid models most of what a dense
+store keeps can never serve a hit (a Mamba state at a boundary no later prompt stops at, a
+sliding-window block outside every window a hit needs, attention blocks past the last state
+they could be used with). Two indexes, both key -> bytes with the resident total kept within
+``capacity_bytes``; neither holds the bytes themselves (the embedded arena or Mooncake does),
+so either can sit in front of a real store:
+
+- :class:`LRUIndex`: every value on its own, least recently used evicted first (today's
+  embedded store, and what ``dense`` and ``vllm-reachable`` replay with).
+- :class:`BoundaryIndex`: the unit is a *boundary set*: the keys one hit length ``X`` needs in
+  every group (attention blocks up to ``X``, the window tail before ``X``, the state at ``X``).
+  A key lives while some resident boundary needs it (reference counts), so the sets stay
+  coherent: evicting a boundary frees its state and exactly the attention and window blocks
+  no other resident boundary can use. Boundaries are evicted by lowest priority, a
+  GreedyDual-Size-Frequency form: ``clock + min(hits, 4) x (1 + value_weight x w / mean(w))``
+  where ``w`` = prefill tokens a hit at the boundary saves per byte the set added; the clock
+  rises to each evicted priority, so recency, reuse and work saved per byte are weighed
+  together (``value_weight`` 0 is LRU with frequency over boundary sets).
+
+Both keep counts of the bytes resident by group kind and the bytes written.
+"""
+
+from __future__ import annotations
+
+import collections
+import heapq
+import itertools
+from typing import Dict, Iterable, List, Optional, Sequence, Tuple
+
+Put = Tuple[str, int, str]  # (key, bytes, group kind)
+
+
+class _Counters:
+    def __init__(self, capacity_bytes: int) -> None:
+        self.capacity_bytes = int(capacity_bytes)
+        self.used = 0
+        self.bytes_written = 0
+        self.values_written = 0
+        self.evictions = 0
+        self.rejected = 0  # values (or boundary sets) that could not fit at all
+        self.resident_by_kind: Dict[str, int] = collections.defaultdict(int)
+
+    def resident(self) -> Dict[str, int]:
+        return {k: v for k, v in sorted(self.resident_by_kind.items())}
+
+
+class LRUIndex(_Counters):
+    """Key -> (bytes, kind), least recently used first; puts of present keys are skipped."""
+
+    def __init__(self, capacity_bytes: int) -> None:
+        super().__init__(capacity_bytes)
+        self._entries: "collections.OrderedDict[str, Tuple[int, str]]" = collections.OrderedDict()
+
+    def __contains__(self, key: str) -> bool:
+        return key in self._entries
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def exists(self, keys: Sequence[str]) -> List[bool]:
+        entries = self._entries
+        return [k in entries for k in keys]
+
+    def touch(self, keys: Iterable[str]) -> None:
+        entries = self._entries
+        for key in keys:
+            if key in entries:
+                entries.move_to_end(key)
+
+    def put(self, key: str, nbytes: int, kind: str) -> bool:
+        """Admit one value (evicting LRU values to make room); False if it cannot fit."""
+        entries = self._entries
+        if key in entries:
+            return False
+        if nbytes > self.capacity_bytes:
+            self.rejected += 1
+            return False
+        while self.used + nbytes > self.capacity_bytes:
+            _old, (size, old_kind) = entries.popitem(last=False)
+            self.used -= size
+            self.resident_by_kind[old_kind] -= size
+            self.evictions += 1
+        entries[key] = (nbytes, kind)
+        self.used += nbytes
+        self.resident_by_kind[kind] += nbytes
+        self.bytes_written += nbytes
+        self.values_written += 1
+        return True
+
+    def put_many(self, puts: Iterable[Put]) -> int:
+        written = 0
+        for key, nbytes, kind in puts:
+            if self.put(key, nbytes, kind):
+                written += nbytes
+        return written
+
+
+class BoundaryIndex(_Counters):
+    """Boundary sets with reference-counted keys and GreedyDual-Size-Frequency eviction.
+
+    ``ghost_entries`` bounds the remembered boundary hashes (:meth:`seen`, :meth:`remember`):
+    the prefixes this index has seen requests pass through, whose junctions are worth a state
+    checkpoint even when nothing of them is resident any more."""
+
+    def __init__(self, capacity_bytes: int, *, ghost_entries: int = 1 << 22, max_frequency: int = 4,
+                 value_weight: float = 0.1) -> None:
+        super().__init__(capacity_bytes)
+        self._keys: Dict[str, List] = {}  # key -> [refcount, bytes, kind]
+        self._bounds: Dict[bytes, List] = {}  # boundary id -> [priority, keys, value, size, hits, serial]
+        self._heap: List[Tuple[float, int, bytes]] = []
+        self._serial = itertools.count()
+        self.clock = 0.0
+        self.max_frequency = max_frequency
+        self.value_weight = float(value_weight)
+        self._w_sum = 0.0
+        self._w_count = 0
+        self._ghost: "collections.OrderedDict[bytes, None]" = collections.OrderedDict()
+        self.ghost_entries = int(ghost_entries)
+
+    def __contains__(self, key: str) -> bool:
+        return key in self._keys
+
+    def __len__(self) -> int:
+        return len(self._keys)
+
+    @property
+    def boundaries(self) -> int:
+        return len(self._bounds)
+
+    def has_boundary(self, bid: bytes) -> bool:
+        return bid in self._bounds
+
+    def exists(self, keys: Sequence[str]) -> List[bool]:
+        table = self._keys
+        return [k in table for k in keys]
+
+    # ---- ghost: prefixes seen --------------------------------------------------------------
+
+    def seen(self, bid: bytes) -> bool:
+        return bid in self._ghost
+
+    def remember(self, bids: Iterable[bytes]) -> None:
+        ghost = self._ghost
+        for bid in bids:
+            if bid in ghost:
+                ghost.move_to_end(bid)
+            else:
+                ghost[bid] = None
+        while len(ghost) > self.ghost_entries:
+            ghost.popitem(last=False)
+
+    # ---- boundary sets ---------------------------------------------------------------------
+
+    def _priority(self, value: float, size: int, hits: int) -> float:
+        w = value / max(1, size)
+        mean = self._w_sum / self._w_count if self._w_count else w
+        relative = w / mean if mean > 0 else 1.0
+        return self.clock + min(hits, self.max_frequency) * (1.0 + self.value_weight * relative)
+
+    def touch_boundary(self, bid: bytes) -> bool:
+        """A hit was served at this boundary: count it and refresh its priority."""
+        entry = self._bounds.get(bid)
+        if entry is None:
+            return False
+        entry[4] += 1
+        entry[0] = self._priority(entry[2], entry[3], entry[4])
+        entry[5] = next(self._serial)
+        heapq.heappush(self._heap, (entry[0], entry[5], bid))
+        return True
+
+    def _evict_one(self, protected: Optional[bytes] = None) -> bool:
+        heap, bounds = self._heap, self._bounds
+        deferred = []
+        try:
+            while heap:
+                priority, serial, bid = heapq.heappop(heap)
+                entry = bounds.get(bid)
+                if entry is None or entry[5] != serial:
+                    continue  # stale heap item
+                if bid == protected:
+                    deferred.append((priority, serial, bid))
+                    continue
+                del bounds[bid]
+                self.clock = max(self.clock, priority)
+                self._release(entry[1])
+                self.evictions += 1
+                return True
+            return False
+        finally:
+            for item in deferred:
+                heapq.heappush(heap, item)
+
+    def _release(self, keys: Sequence[str]) -> None:
+        table, by_kind = self._keys, self.resident_by_kind
+        for key in keys:
+            rec = table[key]
+            rec[0] -= 1
+            if rec[0] == 0:
+                del table[key]
+                self.used -= rec[1]
+                by_kind[rec[2]] -= rec[1]
+
+    def put_boundary(self, bid: bytes, needs: Sequence[Put], value: float) -> int:
+        """Admit the boundary set ``bid``: every key a hit at it needs, with the prefill tokens
+        such a hit saves. Keys already resident are shared (referenced), the rest written,
+        lower-priority boundaries evicted to make room. Returns the bytes written (0 when the
+        set is already resident or cannot fit even alone)."""
+        if bid in self._bounds:
+            self.touch_boundary(bid)
+            return 0
+        table = self._keys
+        keys = list(dict.fromkeys(k for k, _b, _kind in needs))
+        sizes = {k: (b, kind) for k, b, kind in needs}
+        # Reference what is resident first, so that making room never frees it.
+        for key in keys:
+            rec = table.get(key)
+            if rec is not None:
+                rec[0] += 1
+        new = [k for k in keys if k not in table]
+        added = sum(sizes[k][0] for k in new)
+        while self.used + added > self.capacity_bytes:
+            if not self._evict_one():
+                break
+        if self.used + added > self.capacity_bytes:  # cannot fit even alone: undo
+            self._release([k for k in keys if k in table])
+            self.rejected += 1
+            return 0
+        by_kind = self.resident_by_kind
+        for key in new:
+            nbytes, kind = sizes[key]
+            table[key] = [1, nbytes, kind]
+            self.used += nbytes
+            by_kind[kind] += nbytes
+        self.bytes_written += added
+        self.values_written += len(new)
+        serial = next(self._serial)
+        size = max(added, min(sizes[k][0] for k in keys) if keys else 1)
+        self._w_sum += value / max(1, size)
+        self._w_count += 1
+        priority = self._priority(value, size, 1)
+        self._bounds[bid] = [priority, keys, float(value), size, 1, serial]
+        heapq.heappush(self._heap, (priority, serial, bid))
+        return added

@@ -1,0 +1,486 @@
+"""``kvstride simulate --trace``: replay a Mooncake-format request trace through the real core
+(block hashes, keys, joint hits, load and save plans) and a capacity index
+(:mod:`kvstride.capacity`) under one admission/eviction policy.
+
+Trace format (Mooncake FAST'25): one JSON object per line with ``input_length`` (tokens) and
+``hash_ids`` (one id per 512-token block of the input, a prefix chain: two requests share a
+prefix exactly as far as their ids agree). Each id is mapped to 512 tokens derived from the id
+alone (splitmix64 of ``id * 512 + position``, so equal ids give equal tokens and hence equal
+vLLM block hashes at any hash block size). Hashes are computed once per distinct prefix node
+(a trie over the id chains) and cached, as are the keys of each node's blocks.
+
+Per request, in trace order: the lookup keys of the prompt (``KeyPlanner.lookup_keys``), one
+existence call against the index, the longest joint hit (``longest_hit_bitmap``), the load plan
+of that hit (``plan_load``; every key it gets is checked present: a reported hit every group
+can serve), then the policy's saves (``plan_save`` for attention and window blocks,
+``KeyPlanner.key`` of the boundary hash for state checkpoints) into the index.
+
+Policies:
+
+- ``dense``: today's behaviour: every attention and window block from the saved offset to the
+  prompt's last full block, and the Mamba state at every block boundary (vLLM 0.32 hands off
+  every retained full-block boundary state), in one LRU over values.
+- ``vllm-reachable``: vLLM 0.33 OffloadingConnector's ``reachable_block_mask`` with its default
+  ``prefix_cache_retention_interval = 0`` (vllm/config/cache.py:275): attention blocks all;
+  window blocks only the tail a hit needs at the reachable boundaries and Mamba states only at
+  them (vllm/v1/core/single_type_kv_cache_manager.py:1113-1131 sliding window, :1549-1606
+  Mamba), the boundaries being ``num_prompt_tokens - 1`` and the request's
+  ``shared_prefix_boundary`` (offloading/scheduler.py:1853-1857), each floored to the alignment
+  (the full-attention chunk, scheduler.py:196-204); one LRU over values.
+- ``kvstride``: admission: state checkpoints (and window tails) only at boundaries that can hit
+  (the prompt end, the last boundary ``hedge_tokens`` before it, and the deepest junction with
+  a prefix the index has seen before), attention blocks only up to the last of them; eviction:
+  :class:`kvstride.capacity.BoundaryIndex` (coherent boundary sets, GDSF on prefill tokens saved
+  per byte and recency).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Dict, Iterable, List, Optional, Sequence, Tuple
+
+import numpy as np
+
+from kvstride import _core
+from kvstride.capacity import BoundaryIndex, LRUIndex
+
+TRACE_BLOCK = 512
+VOCAB = 150_000
+POLICIES = ("dense", "vllm-reachable", "kvstride")
+WINDOW_KINDS = ("sliding_window", "chunked_local")
+ATTENTION_KINDS = ("full_attention", "mla")
+MODELS_DIR = os.path.join(os.path.dirname(__file__), "models")
+DEFAULT_MODEL = "qwen3-next-80b"
+
+
+# ---- model geometries ----------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ModelGeometry:
+    name: str
+    groups: tuple  # GroupSpec per KV-cache group (groups of one kind and size merged)
+    bytes_per_block: tuple  # bytes one block of each group occupies (all its layers)
+    layers: tuple
+    derivation: str = ""
+
+    @property
+    def kinds(self) -> tuple:
+        return tuple(g.kind for g in self.groups)
+
+
+def list_models() -> List[str]:
+    return sorted(f[:-5] for f in os.listdir(MODELS_DIR) if f.endswith(".json"))
+
+
+def load_model(name_or_path: str) -> ModelGeometry:
+    path = name_or_path
+    if not os.path.exists(path):
+        path = os.path.join(MODELS_DIR, f"{name_or_path}.json")
+    if not os.path.exists(path):
+        raise ValueError(f"unknown model {name_or_path!r}; use one of {', '.join(list_models())} or a JSON file")
+    with open(path) as f:
+        doc = json.load(f)
+    groups, sizes, layers = [], [], []
+    for g in doc["groups"]:
+        kwargs = {}
+        if g.get("window") is not None:
+            kwargs["window"] = int(g["window"])
+        if g["kind"] == "mamba":
+            kwargs["mamba_mode"] = g.get("mamba_mode", "align")
+        groups.append(_core.GroupSpec(g["kind"], int(g["block_size"]), **kwargs))
+        sizes.append(int(g["bytes_per_block"]))
+        layers.append(int(g.get("layers", 0)))
+    return ModelGeometry(doc.get("name", name_or_path), tuple(groups), tuple(sizes), tuple(layers), doc.get("derivation", ""))
+
+
+# ---- trace -----------------------------------------------------------------------------------
+
+
+@dataclass
+class TraceRequest:
+    input_length: int
+    hash_ids: List[int]
+    timestamp: float = 0.0
+    output_length: int = 0
+
+
+def read_trace(path: str, limit: Optional[int] = None) -> List[TraceRequest]:
+    out = []
+    with open(path) as f:
+        for number, line in enumerate(f, 1):
+            line = line.strip()
+            if not line:
+                continue
+            try:
+                obj = json.loads(line)
+                ids = [int(i) for i in obj["hash_ids"]]
+                length = int(obj.get("input_length", len(ids) * TRACE_BLOCK))
+            except (ValueError, KeyError, TypeError) as err:
+                raise ValueError(f"{path}:{number}: not a Mooncake trace line ({err})") from None
+            out.append(TraceRequest(length, ids, float(obj.get("timestamp", 0)), int(obj.get("output_length", 0))))
+            if limit is not None and len(out) >= limit:
+                break
+    return out
+
+
+_M1, _M2 = np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB)
+
+
+def block_tokens(hash_id: int, seed: int = 0) -> np.ndarray:
+    """The 512 tokens of trace block ``hash_id``: splitmix64 of ``id * 512 + i`` (+ seed)."""
+    with np.errstate(over="ignore"):
+        x = (np.uint64((hash_id * TRACE_BLOCK + seed * 0x9E3779B97F4A7C15) & 0xFFFFFFFFFFFFFFFF)
+             + np.arange(TRACE_BLOCK, dtype=np.uint64) + np.uint64(0x9E3779B97F4A7C15))
+        x = (x ^ (x >> np.uint64(30))) * _M1
+        x = (x ^ (x >> np.uint64(27))) * _M2
+        x = x ^ (x >> np.uint64(31))
+    return (x % np.uint64(VOCAB - 1) + np.uint64(1)).astype(np.int64)
+
+
+class PrefixTrie:
+    """Distinct id-chain prefixes; per node the block hashes whose blocks end inside it."""
+
+    def __init__(self, hasher, hash_block: int, seed: int = 0) -> None:
+        self.hasher = hasher
+        self.h = hash_block
+        self.seed = seed
+        self.children: Dict[Tuple[int, int], int] = {}
+        self.parent: List[int] = []
+        self.ids: List[int] = []
+        self.depth: List[int] = []
+        self.hashes: List[List[bytes]] = []
+        self.touched: List[bool] = []
+        self._tokens: Dict[int, np.ndarray] = {}
+        self.keys: Dict[Tuple[int, int], List[str]] = {}  # (node, group) -> keys, cached by the replay
+
+    def tokens(self, hash_id: int) -> np.ndarray:
+        t = self._tokens.get(hash_id)
+        if t is None:
+            t = self._tokens[hash_id] = block_tokens(hash_id, self.seed)
+        return t
+
+    def path(self, hash_ids: Sequence[int]) -> List[int]:
+        nodes, parent = [], -1
+        children = self.children
+        for depth, hid in enumerate(hash_ids):
+            node = children.get((parent, hid))
+            if node is None:
+                node = self._add(parent, hid, depth, nodes)
+            nodes.append(node)
+            parent = node
+        return nodes
+
+    def _add(self, parent: int, hid: int, depth: int, ancestors: List[int]) -> int:
+        h = self.h
+        start = depth * TRACE_BLOCK
+        last_end = start // h * h  # the last hash boundary at or before the node's start
+        prev_hash = None
+        if last_end:
+            # the hash ending at last_end lives in the node holding token last_end - 1
+            owner = ancestors[(last_end - 1) // TRACE_BLOCK]
+            owner_first = -(-(self.depth[owner] * TRACE_BLOCK + 1) // h)  # index of its first hash end
+            prev_hash = self.hashes[owner][last_end // h - owner_first]
+        pieces = [ancestors_tokens for ancestors_tokens in (
+            self.tokens(self.ids[ancestors[d]]) for d in range(last_end // TRACE_BLOCK, depth))]
+        pieces.append(self.tokens(hid))
+        tokens = np.concatenate(pieces)[last_end - (last_end // TRACE_BLOCK) * TRACE_BLOCK:]
+        hashes = self.hasher.hash_blocks(tokens, h, parent=prev_hash) if len(tokens) >= h else []
+        node = len(self.parent)
+        self.children[(parent, hid)] = node
+        self.parent.append(parent)
+        self.ids.append(hid)
+        self.depth.append(depth)
+        self.hashes.append(hashes)
+        self.touched.append(False)
+        return node
+
+
+# ---- replay ----------------------------------------------------------------------------------
+
+
+@dataclass
+class ReplayConfig:
+    model: ModelGeometry
+    capacity_bytes: int
+    policy: str = "kvstride"
+    algo: str = "sha256_cbor"
+    seed: int = 0
+    hedge_tokens: int = TRACE_BLOCK  # kvstride: also keep the last boundary this far before the prompt end
+    check_servable: bool = True
+    progress: bool = False
+    # Called as on_hit(replay, index, hashes, hit) for every reported hit (tests check it
+    # independently of the core).
+    on_hit: Optional[object] = None
+
+
+def _bytes_text(n: float) -> str:
+    for unit, size in (("T", 1 << 40), ("G", 1 << 30), ("M", 1 << 20)):
+        if n >= size:
+            return f"{n / size:g}{unit}"
+    return f"{int(n)}B"
+
+
+def parse_size(text: str) -> int:
+    """``256G``, ``1T``, ``512M``, ``1.5T``, or bytes; binary units (GiB, TiB)."""
+    t = text.strip().upper().rstrip("B").rstrip("I")
+    mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40, "P": 1 << 50}
+    if t and t[-1] in mult:
+        return int(float(t[:-1]) * mult[t[-1]])
+    return int(float(t))
+
+
+class TraceReplay:
+    """Shared per model: the trie, the planner and cached keys; one :meth:`run` per policy and
+    capacity."""
+
+    def __init__(self, model: ModelGeometry, *, algo: str = "sha256_cbor", seed: int = 0) -> None:
+        self.model = model
+        groups = list(model.groups)
+        self.s, self.h = _core.resolve_block_sizes(groups)
+        fingerprint = _core.layout_fingerprint({"model": model.name, "S": self.s, "H": self.h, "algo": algo, "seed": seed})
+        self.planner = _core.KeyPlanner(groups, hash_block_size=self.h, scheduler_block_size=self.s,
+                                        namespace=_core.Namespace(model.name, fingerprint=fingerprint))
+        self.a = self.planner.alignment
+        self.trie = PrefixTrie(_core.BlockHasher(algo, seed=str(seed)), self.h, seed)
+        self.groups = groups
+        self.participating = [g for g, k in enumerate(self.planner.hashes_per_block) if k]
+        self.fa = [g for g in self.participating if groups[g].kind in ATTENTION_KINDS]
+        self.windows = [g for g in self.participating if groups[g].kind in WINDOW_KINDS]
+        self.mambas = [g for g in self.participating if groups[g].kind == "mamba"]
+        self.block = [g.block_size for g in groups]
+        # the full-attention group whose block ends bound a hit (the cap below)
+        self.cap_group = min(self.fa, key=lambda g: self.block[g]) if self.fa else None
+
+    # -- per-request helpers -------------------------------------------------------------
+
+    def _hashes(self, nodes: List[int], n: int) -> List[bytes]:
+        out: List[bytes] = []
+        hashes = self.trie.hashes
+        for node in nodes:
+            out.extend(hashes[node])
+        del out[n // self.h:]
+        return out
+
+    def _lookup_tokens(self, nodes: List[int], n: int) -> int:
+        """An upper bound on what can hit, from which prefix nodes ever had a value written:
+        a hit X needs the attention block ending in the first never-written node (one that
+        holds a block end), so X < (k + 1) * 512. Passing min(n, (k+1)*512 + 1) tokens to the
+        lookup returns the same hit with far fewer keys for new prompts."""
+        if self.cap_group is None:
+            return n
+        b = self.block[self.cap_group]
+        touched, depth = self.trie.touched, self.trie.depth
+        for node in nodes:
+            d = depth[node]
+            lo, hi = d * TRACE_BLOCK, (d + 1) * TRACE_BLOCK
+            if (hi // b) * b > lo and not touched[node]:  # holds a block end, never written
+                return min(n, hi + 1)
+        return n
+
+    def _needed_window(self, g: int, x: int) -> range:
+        b, w = self.block[g], self.groups[g].window
+        if self.groups[g].kind == "sliding_window":
+            lo = max(0, x - w + 1)
+        else:
+            lo = x // w * w
+        return range(lo // b, -(-x // b))
+
+    def _fa_prefix(self, hashes: List[bytes], exists) -> int:
+        """Tokens of the longest prefix every full-attention group holds on its own (vLLM's
+        single-group hit, whose end is the shared_prefix_boundary)."""
+        best = None
+        for g in self.fa:
+            b = self.block[g]
+            per = b // self.h
+            keys = [self.planner.key(g, hashes[i]) for i in range(per - 1, len(hashes), per)]
+            present = exists(keys)
+            run = 0
+            for p in present:
+                if not p:
+                    break
+                run += 1
+            best = run * b if best is None else min(best, run * b)
+        return best or 0
+
+    # -- the run -------------------------------------------------------------------------
+
+    def run(self, trace: Sequence[TraceRequest], cfg: ReplayConfig) -> dict:
+        if cfg.policy not in POLICIES:
+            raise ValueError(f"policy {cfg.policy!r}: use one of {', '.join(POLICIES)}")
+        # The trie's "touched" marks are per run (what this run's index ever held).
+        self.trie.touched = [False] * len(self.trie.touched)
+        planner, trie, a, s, h = self.planner, self.trie, self.a, self.s, self.h
+        groups, bpb = self.groups, self.model.bytes_per_block
+        kinds = [g.kind for g in groups]
+        boundary_index = cfg.policy == "kvstride"
+        index = BoundaryIndex(cfg.capacity_bytes) if boundary_index else LRUIndex(cfg.capacity_bytes)
+        stats = dict(requests=0, prompt_tokens=0, hit_tokens=0, unservable_hits=0, hits=0, truncated_inputs=0)
+        progress = None
+        if cfg.progress:
+            try:
+                from tqdm import tqdm
+
+                progress = tqdm(total=len(trace), desc=f"{cfg.policy} @ {_bytes_text(cfg.capacity_bytes)}",
+                                unit="req", file=sys.stderr, leave=False)
+            except ImportError:
+                progress = None
+        started = time.perf_counter()
+        for req in trace:
+            n = min(req.input_length, len(req.hash_ids) * TRACE_BLOCK)
+            if n < req.input_length:
+                stats["truncated_inputs"] += 1
+            nodes = trie.path(req.hash_ids)
+            hashes = self._hashes(nodes, n)
+            stats["requests"] += 1
+            stats["prompt_tokens"] += n
+            hit = 0
+            if hashes:
+                n_look = self._lookup_tokens(nodes, n)
+                keys = planner.lookup_keys(hashes, n_look) if n_look >= a else []
+                if keys:
+                    hit = planner.longest_hit_bitmap(hashes, n_look, index.exists(keys))
+            if hit:
+                tables = [list(range(1, -(-hit // self.block[g]) + 1)) for g in range(len(groups))]
+                gets = planner.plan_load(hashes, tables, hit).gets
+                got = [k for k, _g, _b in gets]
+                if cfg.check_servable and not all(index.exists(got)):
+                    stats["unservable_hits"] += 1
+                    hit = 0
+                else:
+                    stats["hits"] += 1
+                    if cfg.on_hit is not None:
+                        cfg.on_hit(self, index, hashes, hit)
+                    if boundary_index:
+                        index.touch_boundary(hashes[hit // h - 1])
+                    else:
+                        index.touch(got)
+            stats["hit_tokens"] += hit
+            if hashes:
+                self._save(cfg, index, nodes, hashes, n, hit)
+            if progress is not None:
+                progress.update(1)
+        if progress is not None:
+            progress.close()
+        seconds = time.perf_counter() - started
+        requests = stats["requests"]
+        resident = index.resident()
+        return {
+            "policy": cfg.policy,
+            "model": self.model.name,
+            "groups": ",".join(f"{g.kind}:{g.block_size}" + (f":window={g.window}" if g.window else "") for g in groups),
+            "S": s,
+            "H": h,
+            "capacity_bytes": cfg.capacity_bytes,
+            "capacity": _bytes_text(cfg.capacity_bytes),
+            "requests": requests,
+            "prompt_tokens": stats["prompt_tokens"],
+            "hit_tokens": stats["hit_tokens"],
+            "token_hit_rate": stats["hit_tokens"] / stats["prompt_tokens"] if stats["prompt_tokens"] else 0.0,
+            "hits": stats["hits"],
+            "unservable_hits": stats["unservable_hits"],
+            "bytes_written": index.bytes_written,
+            "bytes_written_per_request": index.bytes_written / requests if requests else 0.0,
+            "values_written": index.values_written,
+            "evictions": index.evictions,
+            "resident_bytes": index.used,
+            "resident_bytes_by_kind": resident,
+            "truncated_inputs": stats["truncated_inputs"],
+            "seconds": seconds,
+        }
+
+    def _save(self, cfg: ReplayConfig, index, nodes: List[int], hashes: List[bytes], n: int, hit: int) -> None:
+        planner, a, s, h = self.planner, self.a, self.s, self.h
+        groups, bpb = self.groups, self.model.bytes_per_block
+        full = len(hashes) * h  # tokens with hashes
+        offset = hit // s * s
+        policy = cfg.policy
+        # Boundaries whose hit sets this request writes.
+        if policy == "dense":
+            bounds = list(range((offset // s + 1) * s, n // s * s + 1, s))
+            end = n // s * s
+        elif policy == "vllm-reachable":
+            cand = [(n - 1) // a * a]
+            junction = self._fa_prefix(hashes, index.exists) if self.fa else 0
+            if junction > hit:
+                cand.append(min(junction, n - 1) // a * a)
+            bounds = sorted({x for x in cand if x > hit and x <= full})
+            end = n // s * s
+        else:
+            p = n // a * a
+            cand = [p, (n - cfg.hedge_tokens) // a * a]
+            if n % a == 0:
+                cand.append(n - a)  # an exact repeat hits one alignment below its end
+            # The deepest junction with a prefix the index has seen pass before.
+            aligned = [hashes[x // h - 1] for x in range(a, min(p, full) + 1, a)]
+            for i in range(len(aligned) - 1, -1, -1):
+                if index.seen(aligned[i]):
+                    cand.append((i + 1) * a)
+                    break
+            bounds = sorted({x for x in cand if hit < x <= full})
+            index.remember(aligned)
+            end = max(bounds) if bounds else 0
+        if not bounds and policy != "dense":
+            return
+        touched, depth_of = self.trie.touched, None
+        # Attention and window blocks: the core's normal save from the saved offset.
+        tables = [list(range(1, -(-max(end, 1) // self.block[g]) + 2)) for g in range(len(groups))]
+        puts: List[Tuple[str, int, str, int]] = []  # (key, bytes, kind, block end)
+        if end > offset:
+            need: Dict[int, set] = {}
+            if policy != "dense":
+                for g in self.windows:
+                    need[g] = set()
+                    for x in bounds:
+                        need[g].update(self._needed_window(g, x))
+            for key, g, block_id in planner.plan_save(hashes, tables, end, saved_offset=offset).puts:
+                b = block_id - 1
+                if g in need and b not in need[g]:
+                    continue
+                puts.append((key, bpb[g], groups[g].kind, (b + 1) * self.block[g]))
+        for g in self.mambas:
+            for x in bounds:
+                puts.append((planner.key(g, hashes[x // h - 1]), bpb[g], "mamba", x))
+        if policy != "kvstride":
+            for key, nbytes, kind, e in puts:
+                if index.put(key, nbytes, kind):
+                    touched[nodes[(e - 1) // TRACE_BLOCK]] = True
+            return
+        # kvstride: one boundary set per boundary (attention blocks up to it, window tail, state).
+        new = {p[0]: p for p in puts}
+        for x in bounds:
+            needs: List[Tuple[str, int, str]] = []
+            for g in self.fa:
+                b = self.block[g]
+                per = b // h
+                for i in range(per - 1, x // h, per):
+                    needs.append((planner.key(g, hashes[i]), bpb[g], groups[g].kind))
+                if x % b:  # a partial last block, keyed by the boundary's sub-hash
+                    needs.append((planner.key(g, hashes[x // h - 1]), bpb[g], groups[g].kind))
+            for g in self.windows:
+                b = self.block[g]
+                for blk in self._needed_window(g, x):
+                    e = min((blk + 1) * b, x)
+                    needs.append((planner.key(g, hashes[e // h - 1]), bpb[g], groups[g].kind))
+            for g in self.mambas:
+                needs.append((planner.key(g, hashes[x // h - 1]), bpb[g], "mamba"))
+            if index.put_boundary(hashes[x // h - 1], needs, float(x)):
+                for key, _b, _k in needs:
+                    p = new.get(key)
+                    if p is not None:
+                        touched[nodes[(p[3] - 1) // TRACE_BLOCK]] = True
+
+
+def replay(trace: Sequence[TraceRequest], model: ModelGeometry, capacities: Sequence[int],
+           policies: Sequence[str], *, progress: bool = False, algo: str = "sha256_cbor", seed: int = 0,
+           **kwargs) -> List[dict]:
+    rp = TraceReplay(model, algo=algo, seed=seed)
+    out = []
+    for policy in policies:
+        for cap in capacities:
+            out.append(rp.run(trace, ReplayConfig(model, cap, policy, algo=algo, seed=seed, progress=progress, **kwargs)))
+    return out

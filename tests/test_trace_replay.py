@@ -1,0 +1,224 @@
+"""``kvstride simulate --trace``: Mooncake-format trace replay through the core and the
+capacity index (kvstride.trace, kvstride.capacity), on small hand-made traces whose hits are
+known exactly."""
+
+import io
+import json
+from contextlib import redirect_stdout
+
+import numpy as np
+import pytest
+
+from kvstride import _core
+from kvstride.capacity import BoundaryIndex, LRUIndex
+from kvstride.cli import main
+from kvstride.trace import (
+    POLICIES,
+    ReplayConfig,
+    TraceReplay,
+    TraceRequest,
+    block_tokens,
+    list_models,
+    load_model,
+    parse_size,
+    read_trace,
+)
+
+# Attention and Mamba blocks of 512 tokens (one trace block each): S = H = alignment = 512.
+TOY = {
+    "name": "toy-hybrid",
+    "groups": [
+        {"kind": "full_attention", "block_size": 512, "layers": 1, "bytes_per_block": 10},
+        {"kind": "mamba", "mamba_mode": "align", "block_size": 512, "layers": 1, "bytes_per_block": 30},
+    ],
+    "derivation": "test geometry",
+}
+TOY_SWA = {
+    "name": "toy-swa",
+    "groups": [
+        {"kind": "full_attention", "block_size": 256, "layers": 1, "bytes_per_block": 10},
+        {"kind": "sliding_window", "window": 300, "block_size": 256, "layers": 1, "bytes_per_block": 10},
+    ],
+}
+
+
+@pytest.fixture
+def toy(tmp_path):
+    path = tmp_path / "toy.json"
+    path.write_text(json.dumps(TOY))
+    return load_model(str(path))
+
+
+def req(ids, n=None):
+    return TraceRequest(n if n is not None else 512 * len(ids), list(ids))
+
+
+def servable(rp, index, hashes, hit):
+    """SEMANTICS §6, checked here with KeyPlanner.key only: every participating group holds
+    what a hit of ``hit`` tokens needs."""
+    h, planner = rp.h, rp.planner
+    for g, spec in enumerate(rp.groups):
+        if not planner.hashes_per_block[g]:
+            continue
+        b = spec.block_size
+        if spec.kind == "mamba":
+            need = [hit]
+        elif spec.kind in ("sliding_window", "chunked_local"):
+            lo = max(0, hit - spec.window + 1) if spec.kind == "sliding_window" else hit // spec.window * spec.window
+            need = [min((blk + 1) * b, hit) for blk in range(lo // b, -(-hit // b))]
+        else:
+            need = list(range(b, hit + 1, b)) + ([hit] if hit % b else [])
+        keys = [planner.key(g, hashes[e // h - 1]) for e in need]
+        if not all(index.exists(keys)):
+            return False
+    return True
+
+
+def run(model, trace, policy, capacity=1 << 40, **kw):
+    rp = TraceReplay(model)
+    hits = []
+
+    def on_hit(rp_, index, hashes, hit):
+        assert servable(rp_, index, hashes, hit), (policy, hit)
+        hits.append(hit)
+
+    result = rp.run(trace, ReplayConfig(model, capacity, policy, on_hit=on_hit, **kw))
+    return result, hits
+
+
+def test_tokens_are_a_function_of_the_id():
+    assert np.array_equal(block_tokens(7), block_tokens(7))
+    assert not np.array_equal(block_tokens(7), block_tokens(8))
+    assert len(block_tokens(7)) == 512 and block_tokens(7).min() >= 1
+
+
+def test_trie_hashes_equal_the_core_over_whole_prompts():
+    """Hashing per trace block with cached prefixes gives the hashes of the whole token list,
+    also when H (544) does not divide the 512-token trace block."""
+    model = load_model("qwen3-next-80b")
+    rp = TraceReplay(model)
+    assert rp.h == 544
+    hasher = _core.BlockHasher("sha256_cbor", seed="0")
+    for ids, n in (([1, 2, 3, 4, 5], 2500), ([1, 2, 9, 4], 2048), ([1, 2, 3, 4, 5, 6, 7], 3584)):
+        nodes = rp.trie.path(ids)
+        tokens = np.concatenate([block_tokens(i) for i in ids])[:n]
+        assert rp._hashes(nodes, n) == hasher.hash_blocks(tokens, 544)
+
+
+def test_repeated_prompt_hits_one_alignment_below_its_end(toy):
+    for policy in POLICIES:
+        result, hits = run(toy, [req([1, 2, 3]), req([1, 2, 3])], policy)
+        assert hits == [1024], policy  # T = 1536 would leave nothing to compute
+        assert result["hit_tokens"] == 1024 and result["unservable_hits"] == 0
+
+
+def test_next_turn_hits_the_previous_prompt_end(toy):
+    trace = [req([1, 2, 3]), req([1, 2, 3, 4])]
+    assert run(toy, trace, "dense")[1] == [1536]
+    assert run(toy, trace, "kvstride")[1] == [1536]
+    # vLLM 0.33 keeps the state at num_prompt_tokens - 1, floored to the alignment.
+    assert run(toy, trace, "vllm-reachable")[1] == [1024]
+
+
+def test_shared_prefix_junction_is_kept_once_seen(toy):
+    trace = [req([1, 2, 3, 4]), req([1, 2, 5, 6]), req([1, 2, 7, 8])]
+    dense, hits = run(toy, trace, "dense")
+    assert hits == [1024, 1024]
+    ks, hits = run(toy, trace, "kvstride")
+    assert hits == [1024]  # the second request reveals the junction, the third hits it
+    assert run(toy, trace, "vllm-reachable")[1] == [1024]
+    assert ks["bytes_written"] < dense["bytes_written"]
+
+
+def test_capacity_pressure_dense_evicts_kvstride_keeps(toy):
+    # dense writes 4 x 10 + 4 x 30 = 160 per 4-block prompt, kvstride 40 + 2 states = 100.
+    trace = [req([1, 2, 3, 4]), req([10, 11, 12, 13]), req([1, 2, 3, 4])]
+    dense, dense_hits = run(toy, trace, "dense", capacity=250)
+    ks, ks_hits = run(toy, trace, "kvstride", capacity=250)
+    assert dense_hits == [] and dense["evictions"] > 0
+    assert ks_hits == [1536]
+    assert ks["resident_bytes"] <= 250 and dense["resident_bytes"] <= 250
+    assert ks["resident_bytes_by_kind"] == {"full_attention": 80, "mamba": 120}
+
+
+def test_boundary_index_keeps_sets_coherent():
+    index = BoundaryIndex(100)
+    fa = [(f"fa{i}", 10, "full_attention") for i in range(4)]
+    assert index.put_boundary(b"a", fa[:2] + [("sa", 30, "mamba")], 2.0) == 50
+    assert index.put_boundary(b"b", fa + [("sb", 30, "mamba")], 4.0) == 50  # shares fa0, fa1
+    assert index.used == 100
+    # A third set evicts the lowest-priority set: its state goes, the attention blocks it
+    # shares with "b" stay while "b" needs them.
+    assert index.put_boundary(b"c", [("sc", 30, "mamba")], 1.0) == 30
+    assert index.boundaries == 2 and index.used == 100 and not index.has_boundary(b"a")
+    assert index.exists(["fa0", "fa1", "sa"]) == [True, True, False]
+    for bid, keys in ((b"a", ["fa0", "fa1", "sa"]), (b"b", ["fa0", "fa1", "fa2", "fa3", "sb"])):
+        assert index.has_boundary(bid) == all(index.exists(keys))
+    assert index.put_boundary(b"big", [("huge", 500, "mamba")], 9.0) == 0 and index.rejected == 1
+
+
+def test_lru_index():
+    index = LRUIndex(25)
+    assert index.put("a", 10, "full_attention") and index.put("b", 10, "mamba")
+    index.touch(["a"])
+    assert index.put("c", 10, "mamba")
+    assert index.exists(["a", "b", "c"]) == [True, False, True]
+    assert index.resident() == {"full_attention": 10, "mamba": 10}
+    assert not index.put("d", 26, "mamba")
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+@pytest.mark.parametrize("geometry", [TOY, TOY_SWA])
+def test_every_reported_hit_is_servable_by_every_group(tmp_path, policy, geometry):
+    path = tmp_path / "m.json"
+    path.write_text(json.dumps(geometry))
+    model = load_model(str(path))
+    rng = np.random.default_rng(3)
+    trace = []
+    for _ in range(150):
+        base = [int(x) for x in rng.choice(6, size=rng.integers(0, 4))]  # shared prefixes
+        ids = base + [int(x) for x in rng.integers(100, 130, size=rng.integers(1, 5))]
+        trace.append(req(ids, 512 * len(ids) - int(rng.integers(0, 400))))
+    result, hits = run(model, trace, policy, capacity=600)
+    assert result["unservable_hits"] == 0
+    assert hits, "the trace should produce hits"
+
+
+def test_cli_json_fields(tmp_path):
+    model = tmp_path / "toy.json"
+    model.write_text(json.dumps(TOY))
+    trace = tmp_path / "trace.jsonl"
+    rows = [{"timestamp": i, "input_length": 1500, "output_length": 5, "hash_ids": [1, 2, 3 + i % 2]} for i in range(6)]
+    trace.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    out = io.StringIO()
+    with redirect_stdout(out):
+        rc = main(["simulate", "--trace", str(trace), "--model", str(model), "--capacity", "1K,1G",
+                   "--policy", "all", "--json"])
+    assert rc == 0
+    results = [json.loads(line) for line in out.getvalue().splitlines()]
+    assert [(r["policy"], r["capacity_bytes"]) for r in results] == [
+        (p, c) for p in POLICIES for c in (1024, 1 << 30)
+    ]
+    for r in results:
+        for field in ("policy", "model", "capacity_bytes", "requests", "prompt_tokens", "hit_tokens",
+                      "token_hit_rate", "bytes_written", "bytes_written_per_request", "resident_bytes_by_kind"):
+            assert field in r
+        assert r["requests"] == 6 and r["prompt_tokens"] == 9000 and r["model"] == "toy-hybrid"
+        assert r["unservable_hits"] == 0
+    big = {r["policy"]: r for r in results if r["capacity_bytes"] == 1 << 30}
+    assert big["dense"]["hit_tokens"] == 5 * 1024  # requests 2..6 hit the two shared blocks
+
+
+def test_shipped_models_and_sizes():
+    assert {"qwen3-next-80b", "gemma-3-27b", "gpt-oss-120b", "nemotron-h"} <= set(list_models())
+    q = load_model("qwen3-next-80b")
+    assert [g.kind for g in q.groups] == ["full_attention", "mamba"]
+    assert q.bytes_per_block[0] == 12 * 544 * 2 * 2 * 256 * 2  # layers x block x K,V x heads x dim x bf16
+    assert parse_size("256G") == 256 << 30 and parse_size("1T") == 1 << 40 and parse_size("1.5K") == 1536
+
+
+def test_read_trace_rejects_other_formats(tmp_path):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"input_length": 3}\n')
+    with pytest.raises(ValueError, match="not a Mooncake trace line"):
+        read_trace(str(bad))
