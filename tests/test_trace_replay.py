@@ -115,9 +115,26 @@ def test_repeated_prompt_hits_one_alignment_below_its_end(toy):
 def test_next_turn_hits_the_previous_prompt_end(toy):
     trace = [req([1, 2, 3]), req([1, 2, 3, 4])]
     assert run(toy, trace, "dense")[1] == [1536]
-    assert run(toy, trace, "kvstride")[1] == [1536]
+    assert run(toy, trace, "kvstride", checkpoints="end,hedge,junction")[1] == [1536]
+    # By default kvstride checkpoints the last boundary 512 tokens before the prompt end.
+    assert run(toy, trace, "kvstride")[1] == [1024]
     # vLLM 0.33 keeps the state at num_prompt_tokens - 1, floored to the alignment.
     assert run(toy, trace, "vllm-reachable")[1] == [1024]
+
+
+def test_hedge_serves_a_next_turn_that_rewrites_the_prompt_tail(tmp_path):
+    """384-token blocks: the prompt-end state (1536) lies past the 1024 tokens the next turn
+    shares; the hedge (the last boundary 512 tokens before the end, 768) serves it."""
+    path = tmp_path / "m.json"
+    geometry = json.loads(json.dumps(TOY))
+    for g in geometry["groups"]:
+        g["block_size"] = 384
+    path.write_text(json.dumps(geometry))
+    model = load_model(str(path))
+    trace = [req([1, 2, 3]), req([1, 2, 4, 5])]
+    assert run(model, trace, "dense")[1] == [768]
+    assert run(model, trace, "kvstride", checkpoints="end")[1] == []
+    assert run(model, trace, "kvstride")[1] == [768]
 
 
 def test_shared_prefix_junction_is_kept_once_seen(toy):
@@ -131,14 +148,15 @@ def test_shared_prefix_junction_is_kept_once_seen(toy):
 
 
 def test_capacity_pressure_dense_evicts_kvstride_keeps(toy):
-    # dense writes 4 x 10 + 4 x 30 = 160 per 4-block prompt, kvstride 40 + 2 states = 100.
+    # dense writes 4 x 10 + 4 x 30 = 160 per 4-block prompt, kvstride 3 x 10 + 1 state = 60.
     trace = [req([1, 2, 3, 4]), req([10, 11, 12, 13]), req([1, 2, 3, 4])]
     dense, dense_hits = run(toy, trace, "dense", capacity=250)
     ks, ks_hits = run(toy, trace, "kvstride", capacity=250)
     assert dense_hits == [] and dense["evictions"] > 0
     assert ks_hits == [1536]
     assert ks["resident_bytes"] <= 250 and dense["resident_bytes"] <= 250
-    assert ks["resident_bytes_by_kind"] == {"full_attention": 80, "mamba": 120}
+    # the third request also checkpoints its whole prompt, a junction seen before (2048)
+    assert ks["resident_bytes_by_kind"] == {"full_attention": 70, "mamba": 90}
 
 
 def test_boundary_index_keeps_sets_coherent():

@@ -211,14 +211,16 @@ class BoundaryIndex(_Counters):
             self.touch_boundary(bid)
             return 0
         table = self._keys
-        keys = list(dict.fromkeys(k for k, _b, _kind in needs))
         sizes = {k: (b, kind) for k, b, kind in needs}
+        keys = list(sizes)
         # Reference what is resident first, so that making room never frees it.
+        new = []
         for key in keys:
             rec = table.get(key)
             if rec is not None:
                 rec[0] += 1
-        new = [k for k in keys if k not in table]
+            else:
+                new.append(key)
         added = sum(sizes[k][0] for k in new)
         while self.used + added > self.capacity_bytes:
             if not self._evict_one():

@@ -211,6 +211,9 @@ class ReplayConfig:
     algo: str = "sha256_cbor"
     seed: int = 0
     hedge_tokens: int = TRACE_BLOCK  # kvstride: also keep the last boundary this far before the prompt end
+    # kvstride: which boundaries get a checkpoint: the prompt "end", the "hedge" before it,
+    # the "junction" with a prefix seen before.
+    checkpoints: str = "hedge,junction"
     check_servable: bool = True
     progress: bool = False
     # Called as on_hit(replay, index, hashes, hit) for every reported hit (tests check it
@@ -253,6 +256,7 @@ class TraceReplay:
         self.windows = [g for g in self.participating if groups[g].kind in WINDOW_KINDS]
         self.mambas = [g for g in self.participating if groups[g].kind == "mamba"]
         self.block = [g.block_size for g in groups]
+        self.ghost_grain = self.a * max(1, -(-256 // self.a))
         # the full-attention group whose block ends bound a hit (the cap below)
         self.cap_group = min(self.fa, key=lambda g: self.block[g]) if self.fa else None
 
@@ -282,6 +286,27 @@ class TraceReplay:
                 return min(n, hi + 1)
         return n
 
+    def _fa_keys(self, nodes: List[int], hashes: List[bytes], g: int) -> List[str]:
+        """The keys of group ``g``'s full blocks over ``hashes`` (index = block index), from a
+        per-node cache (the blocks ending inside each trace block)."""
+        b, h, key = self.block[g], self.h, self.planner.key
+        full = len(hashes) * h
+        cache, depth = self.trie.keys, self.trie.depth
+        out: List[str] = []
+        for node in nodes:
+            lo = depth[node] * TRACE_BLOCK
+            if lo >= full:
+                break
+            hi = lo + TRACE_BLOCK
+            got = cache.get((node, g))
+            if got is None:
+                ends = range((lo // b + 1) * b, min(hi, full) + 1, b)
+                got = [key(g, hashes[e // h - 1]) for e in ends]
+                if hi <= full:
+                    cache[(node, g)] = got
+            out.extend(got)
+        return out
+
     def _needed_window(self, g: int, x: int) -> range:
         b, w = self.block[g], self.groups[g].window
         if self.groups[g].kind == "sliding_window":
@@ -290,14 +315,13 @@ class TraceReplay:
             lo = x // w * w
         return range(lo // b, -(-x // b))
 
-    def _fa_prefix(self, hashes: List[bytes], exists) -> int:
+    def _fa_prefix(self, nodes: List[int], hashes: List[bytes], exists) -> int:
         """Tokens of the longest prefix every full-attention group holds on its own (vLLM's
         single-group hit, whose end is the shared_prefix_boundary)."""
         best = None
         for g in self.fa:
             b = self.block[g]
-            per = b // self.h
-            keys = [self.planner.key(g, hashes[i]) for i in range(per - 1, len(hashes), per)]
+            keys = self._fa_keys(nodes, hashes, g)
             present = exists(keys)
             run = 0
             for p in present:
@@ -405,22 +429,36 @@ class TraceReplay:
             end = n // s * s
         elif policy == "vllm-reachable":
             cand = [(n - 1) // a * a]
-            junction = self._fa_prefix(hashes, index.exists) if self.fa else 0
+            junction = self._fa_prefix(nodes, hashes, index.exists) if self.fa else 0
             if junction > hit:
                 cand.append(min(junction, n - 1) // a * a)
             bounds = sorted({x for x in cand if x > hit and x <= full})
             end = n // s * s
         else:
             p = n // a * a
-            cand = [p, (n - cfg.hedge_tokens) // a * a]
-            if n % a == 0:
-                cand.append(n - a)  # an exact repeat hits one alignment below its end
+            which = cfg.checkpoints.split(",")
+            cand = []
+            if "end" in which:
+                cand.append(p)
+                if n % a == 0:
+                    cand.append(n - a)  # an exact repeat hits one alignment below its end
+            if "hedge" in which:
+                cand.append((n - cfg.hedge_tokens) // a * a)
             # The deepest junction with a prefix the index has seen pass before.
-            aligned = [hashes[x // h - 1] for x in range(a, min(p, full) + 1, a)]
-            for i in range(len(aligned) - 1, -1, -1):
-                if index.seen(aligned[i]):
-                    cand.append((i + 1) * a)
-                    break
+            # The deepest junction with a prefix the index has seen pass before (ghost hashes
+            # at a grain of at least 256 tokens; a request's remembered prefix is contiguous,
+            # so a binary search finds the deepest seen one).
+            grain = self.ghost_grain
+            aligned = [hashes[x // h - 1] for x in range(grain, min(p, full) + 1, grain)]
+            if "junction" in which and aligned and index.seen(aligned[0]):
+                lo, hi = 0, len(aligned) - 1
+                while lo < hi:
+                    mid = (lo + hi + 1) // 2
+                    if index.seen(aligned[mid]):
+                        lo = mid
+                    else:
+                        hi = mid - 1
+                cand.append((lo + 1) * grain)
             bounds = sorted({x for x in cand if hit < x <= full})
             index.remember(aligned)
             end = max(bounds) if bounds else 0
@@ -452,13 +490,12 @@ class TraceReplay:
             return
         # kvstride: one boundary set per boundary (attention blocks up to it, window tail, state).
         new = {p[0]: p for p in puts}
+        fa_keys = {g: self._fa_keys(nodes, hashes, g) for g in self.fa}
         for x in bounds:
             needs: List[Tuple[str, int, str]] = []
             for g in self.fa:
-                b = self.block[g]
-                per = b // h
-                for i in range(per - 1, x // h, per):
-                    needs.append((planner.key(g, hashes[i]), bpb[g], groups[g].kind))
+                b, nb, kind = self.block[g], bpb[g], groups[g].kind
+                needs.extend([(k, nb, kind) for k in fa_keys[g][: x // b]])
                 if x % b:  # a partial last block, keyed by the boundary's sub-hash
                     needs.append((planner.key(g, hashes[x // h - 1]), bpb[g], groups[g].kind))
             for g in self.windows:
