@@ -13,10 +13,18 @@ and checked by the scatter that copies them out (get), so the store call itself 
 and checks headers; ``benches/engine.py`` times that whole path.  Ratio = raw time / kvstride
 time (goal >= 0.95).
 
-"MAC" rows: a store with a deployment secret (issue 17): the payload digest is a keyed BLAKE3 tag
-and the header carries a keyed MAC over key, length and tag; "tags with the copy" is again the
-engine's path (the tag rides the gather / scatter). The "gather" rows time what rides the copy:
-``_save_rows`` copying the same values into staging alone, with the XXH3-64, and with the keyed tag.
+"MAC" rows: a store with a deployment secret (issue 17): the payload digest is a keyed tag
+(AEGIS-128X2-MAC) and the header carries a keyed MAC over key, length and tag; "tags with the
+copy" is again the engine's path (the tag rides the gather / scatter). The "gather" rows time
+what rides the copy: ``_save_rows`` copying the same values into staging alone, with the XXH3-64,
+and with the keyed tag.
+
+"whole" rows: the engine's path on a CPU KV cache end to end, against raw Mooncake plus a plain
+copy in the same run: a save is the gather from the "KV cache" into staging then the put; a
+load is the get into staging then the scatter out of it. Raw: ``_copy_regions`` + the raw batch
+call; XXH3 / MAC: ``_save_rows`` / ``_load_rows`` (digest or tag riding the copy) + the store
+call with ``digests=`` / ``digests_out=``. Same threads on both sides (rayon's pool for the
+copies, Mooncake's for the transfer).
 """
 
 import argparse
@@ -122,6 +130,55 @@ def main():
             p, g = med(res[name][0]), med(res[name][1])
             rows.append((f"Mooncake put ({name})", p, rp / p))
             rows.append((f"Mooncake get ({name})", g, rg / g))
+        # Whole save / load: gather + put, get + scatter (see the docstring), in the same run.
+        from kvstride import _core
+
+        u64 = lambda xs: np.array(xs, dtype=np.uint64)  # noqa: E731
+        kv2 = np.zeros_like(src)  # where loads land (the "KV cache" of the reader)
+        src_a = u64([a for ps in parts_src for a, _ in ps])
+        dst_a = u64([a for ps in parts_dst for a, _ in ps])
+        kv2_a = u64([kv2.ctypes.data + (a - dst.ctypes.data) for a in dst_a])
+        lens = u64([m for ps in parts_src for _, m in ps])
+        starts = u64(range(0, 2 * n + 1, 2))
+        dptrs = [[p for p, _ in ps] for ps in parts_dst]
+        sz = [[m for _, m in ps] for ps in parts_dst]
+        whole = {k: ([], []) for k in ("raw + copy", "XXH3, digests with the copy", "MAC, tags with the copy")}
+        for _ in range(a.reps):
+            for name in whole:
+                ks = keys("whole " + name)
+                store = ms["mac"] if name.startswith("MAC") else ms[True]
+                secret_obj = store.mac_secret
+                kv2[:] = 0
+                t = time.perf_counter()
+                if name.startswith("raw"):
+                    _core._copy_regions(src_a, dst_a, lens)
+                    rc = raw.batch_put_from_multi_buffers(ks, dptrs, sz)
+                    assert all(x == 0 for x in rc), rc[:4]
+                else:
+                    d = _core._save_rows(src_a, dst_a, lens, starts, secret_obj)
+                    st = store.put(ks, parts_dst, digests=d)
+                    assert all(x is stores.Status.OK for x in st)
+                tp = time.perf_counter() - t
+                dst[:] = 0
+                t = time.perf_counter()
+                if name.startswith("raw"):
+                    rc = raw.batch_get_into_multi_buffers(ks, dptrs, sz)
+                    assert all(x == size for x in rc), rc[:4]
+                    _core._copy_regions(dst_a, kv2_a, lens)
+                else:
+                    got = [0] * n
+                    st = store.get(ks, parts_dst, digests_out=got)
+                    ok = _core._load_rows(dst_a, kv2_a, lens, starts, u64(got), secret_obj)
+                    assert all(x is stores.Status.OK for x in st) and ok.all()
+                tg = time.perf_counter() - t
+                assert np.array_equal(src, kv2)
+                whole[name][0].append(tp)
+                whole[name][1].append(tg)
+                cleanup(ks)
+        wp, wg = med(whole["raw + copy"][0]), med(whole["raw + copy"][1])
+        for name, (tps, tgs) in whole.items():
+            rows.append((f"whole save ({name})", med(tps), wp / med(tps)))
+            rows.append((f"whole load ({name})", med(tgs), wg / med(tgs)))
         t = time.perf_counter()
         exists = ms[True].exists(keys("nokey"))
         rows.append((f"Mooncake exists ({n} keys, one batch_is_exist)", time.perf_counter() - t, None))
@@ -131,17 +188,10 @@ def main():
         master.stop()
 
     # What rides the gather: one _save_rows over the same values into staging (dst).
-    from kvstride import _core
-
-    u64 = lambda xs: np.array(xs, dtype=np.uint64)  # noqa: E731
-    src_a = u64([a for ps in parts_src for a, _ in ps])
-    dst_a = u64([a for ps in parts_dst for a, _ in ps])
-    lens = u64([m for ps in parts_src for _, m in ps])
-    starts = u64(range(0, 2 * n + 1, 2))
     secret_obj = _core.StoreSecret(bytes(range(32)))
     gathers = {"copy only": lambda: _core._copy_regions(src_a, dst_a, lens),
                "copy + XXH3-64": lambda: _core._save_rows(src_a, dst_a, lens, starts),
-               "copy + keyed BLAKE3 tag": lambda: _core._save_rows(src_a, dst_a, lens, starts, secret_obj)}
+               "copy + keyed tag (AEGIS-128X2-MAC)": lambda: _core._save_rows(src_a, dst_a, lens, starts, secret_obj)}
     gt = {k: [] for k in gathers}
     for _ in range(a.reps):
         for k, f in gathers.items():
@@ -173,7 +223,7 @@ def main():
     print(f"machine: {platform.machine()}, {os.cpu_count()} cores, loopback, in-process segment (memcpy)")
     print(f"{n} keys x {size // 1024} KiB (2 parts each) = {total / 2**20:.0f} MiB per op, median of {a.reps}")
     print()
-    print("| op | median | GB/s | ratio vs raw Mooncake (gather rows: vs copy only) |")
+    print("| op | median | GB/s | ratio vs raw Mooncake (gather rows: vs copy only; whole rows: vs raw + copy) |")
     print("|---|---|---|---|")
     for name, tm, ratio in rows:
         gbs = "" if "exists" in name else f"{total / tm / 1e9:.2f}"

@@ -136,12 +136,12 @@ impl Rows<'_> {
     unsafe fn digest(&self, addr: &[u64], r: usize) -> u64 {
         let regions = self.regions(r);
         if let Some(secret) = self.secret {
-            let mut hasher = secret.payload_hasher();
+            let mut mac = secret.payload_hasher();
             for i in regions {
                 // SAFETY: the caller's contract.
-                hasher.update(unsafe { self.bytes(addr, i) });
+                mac.update(unsafe { self.bytes(addr, i) });
             }
-            return crate::secret::Secret::payload_tag_of(&hasher);
+            return crate::secret::Secret::payload_tag_of(mac);
         }
         let contiguous = regions.clone().skip(1).all(|i| addr[i] == addr[i - 1] + self.len[i - 1]);
         if contiguous && !regions.is_empty() {

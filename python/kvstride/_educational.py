@@ -686,7 +686,7 @@ def blake3_derive_key(context: str, material: bytes) -> bytes:
 
 
 _NAME_CONTEXT = "kvstride 2026-12 store key names"
-_PAYLOAD_CONTEXT = "kvstride 2026-12 value payload tag"
+_PAYLOAD_CONTEXT = "kvstride 2026-12 value payload tag AEGIS-128X2"
 _MAC_CONTEXT = "kvstride 2026-12 value header mac"
 _MIN_SECRET_BYTES = 32
 
@@ -712,21 +712,122 @@ def keyed_block_hash(secret: bytes, prefix: str, block_hash: bytes) -> bytes:
     return blake3_keyed(k_name, len(p).to_bytes(4, "little") + p + block_hash, len(block_hash))
 
 
+# AEGIS-128X2 as a MAC (RFC 10032's AEGIS-MAC, 128-bit tag): the payload tag of the value MAC.
+# Two AEGIS-128L lanes over one AES round, readable rather than fast; the Rust core uses the
+# `aegis` crate (libaegis). Checked against the RFC's test vector (tests/test_secret_keys.py).
+
+
+def _aes_tables():
+    sbox, p, q = [0] * 256, 1, 1
+    while True:  # the S-box from the multiplicative inverse and the affine map
+        p = (p ^ (p << 1) ^ (0x1B if p & 0x80 else 0)) & 0xFF
+        q ^= q << 1
+        q ^= q << 2
+        q ^= q << 4
+        q &= 0xFF
+        if q & 0x80:
+            q ^= 0x09
+        rot = lambda v, r: ((v << r) | (v >> (8 - r))) & 0xFF  # noqa: E731
+        sbox[p] = q ^ rot(q, 1) ^ rot(q, 2) ^ rot(q, 3) ^ rot(q, 4) ^ 0x63
+        if p == 1:
+            break
+    sbox[0] = 0x63
+    tables = [[0] * 256 for _ in range(4)]
+    for x in range(256):
+        s = sbox[x]
+        s2 = ((s << 1) ^ (0x1B if s & 0x80 else 0)) & 0xFF
+        s3 = s2 ^ s
+        col = (s2, s, s, s3)  # MixColumns' column for an input byte in row 0
+        for r in range(4):  # row r: the column rotated down r places
+            c = col[-r:] + col[:-r] if r else col
+            tables[r][x] = c[0] | c[1] << 8 | c[2] << 16 | c[3] << 24
+    return tables
+
+
+_AES_T = _aes_tables()
+
+
+def _aes_round(b, rk):
+    """AESENC: ShiftRows, SubBytes, MixColumns, then XOR ``rk``. Blocks are 4 column words, row
+    0 in the low byte."""
+    t0, t1, t2, t3 = _AES_T
+    return tuple(
+        t0[b[c] & 0xFF] ^ t1[b[(c + 1) % 4] >> 8 & 0xFF] ^ t2[b[(c + 2) % 4] >> 16 & 0xFF] ^ t3[b[(c + 3) % 4] >> 24] ^ rk[c]
+        for c in range(4)
+    )
+
+
+def _blk(data: bytes):
+    return tuple(int.from_bytes(data[i : i + 4], "little") for i in range(0, 16, 4))
+
+
+def _xor(a, b):
+    return tuple(x ^ y for x, y in zip(a, b))
+
+
+def _aegis_update(lane, m0, m1):
+    """AEGIS-128L's state update on one lane (8 blocks): S'[i] = AESENC(S[i-1], S[i])."""
+    new = [_aes_round(lane[i - 1], lane[i]) for i in range(8)]
+    new[0], new[4] = _xor(new[0], m0), _xor(new[4], m1)
+    lane[:] = new
+
+
+def _aegis_finalize_lanes(lanes, u: bytes):
+    for lane in lanes:
+        t = _xor(_blk(u), lane[2])
+        for _ in range(7):
+            _aegis_update(lane, t, t)
+
+
+def _aegis_tag(lane):
+    t = lane[0]
+    for i in range(1, 7):
+        t = _xor(t, lane[i])
+    return t
+
+
+def aegis128x2_mac(key: bytes, data: bytes, nonce: bytes = bytes(16)) -> bytes:
+    """AEGISMAC-128X2 of ``data`` with a 16-byte key and nonce: the 16-byte tag."""
+    c0 = _blk(bytes.fromhex("000101020305080d1522375990e97962"))
+    c1 = _blk(bytes.fromhex("db3d18556dc22ff12011314273b528dd"))
+    k, n = _blk(key), _blk(nonce)
+    lanes = []
+    for i in range(2):  # lane i's context: its index and the degree less one
+        lane = [_xor(k, n), c1, c0, c1, _xor(k, n), _xor(k, c0), _xor(k, c1), _xor(k, c0)]
+        ctx = _blk(bytes([i, 1]) + bytes(14))
+        for _ in range(10):
+            lane[3], lane[7] = _xor(lane[3], ctx), _xor(lane[7], ctx)
+            _aegis_update(lane, n, k)
+        lanes.append(lane)
+    padded = data + bytes(-len(data) % 64)
+    for at in range(0, len(padded), 64):  # 64 bytes a step: lane i takes bytes 16i.. and 32+16i..
+        for i, lane in enumerate(lanes):
+            _aegis_update(lane, _blk(padded[at + 16 * i :]), _blk(padded[at + 32 + 16 * i :]))
+    _aegis_finalize_lanes(lanes, (8 * len(data)).to_bytes(8, "little") + (128).to_bytes(8, "little"))
+    tags = [_aegis_tag(lane) for lane in lanes]  # lane 1's tag joins lane 0's, then one more finalization
+    zero = _blk(bytes(16))
+    _aegis_update(lanes[0], tags[0], tags[1])
+    _aegis_update(lanes[1], zero, zero)
+    _aegis_finalize_lanes(lanes, (2).to_bytes(8, "little") + (128).to_bytes(8, "little"))
+    return b"".join(w.to_bytes(4, "little") for w in _aegis_tag(lanes[0]))
+
+
 class StoreSecret:
     """The value MAC of a deployment secret: a payload tag (a u64, where the XXH3-64 goes
     without a secret) and a 16-byte header MAC over key || length || tag."""
 
     def __init__(self, secret: bytes) -> None:
         secret = _check_secret(secret)
-        self._payload = blake3_derive_key(_PAYLOAD_CONTEXT, secret)
+        self._payload = blake3_derive_key(_PAYLOAD_CONTEXT, secret)[:16]
         self._mac = blake3_derive_key(_MAC_CONTEXT, secret)
 
     def payload_tags(self, values) -> List[int]:
-        """``u64_le(BLAKE3_keyed(k_payload, payload)[:8])`` of each value (a list of parts)."""
+        """``u64_le(AEGISMAC-128X2(k_payload[:16], payload)[:8])`` (zero nonce, 128-bit tag) of
+        each value (a list of parts)."""
         out = []
         for parts in values:
             data = b"".join(bytes(memoryview(p).cast("B")) for p in parts)
-            out.append(int.from_bytes(blake3_keyed(self._payload, data, 8), "little"))
+            out.append(int.from_bytes(aegis128x2_mac(self._payload, data)[:8], "little"))
         return out
 
     def header_macs(self, keys, lengths, tags) -> List[bytes]:

@@ -20,10 +20,10 @@ and its slots (``save_blocks`` / ``load_blocks``), which is what ``OffloadEngine
 Mooncake value is a 64-byte header followed by the parts' bytes in order: a format version,
 the layout fingerprint, a digest of the key, the payload length and the payload's XXH3-64.
 
-With a deployment secret (``MooncakeStore(..., secret=)``, issue 17) the header is version 2: the
-digest field holds a keyed payload tag and the last 16 bytes a keyed MAC over key, length and
-tag, so a value written without the secret is ``CORRUPT``, removed and counted
-(``counters["mac_rejected"]``), never loaded.
+With a deployment secret (``MooncakeStore(..., secret=)``, issue 17) the header is version 3: the
+digest field holds a keyed payload tag (an AEGIS-128X2 MAC of the payload) and the last 16
+bytes a keyed MAC over key, length and tag, so a value written without the secret is
+``CORRUPT``, removed and counted (``counters["mac_rejected"]``), never loaded.
 
 Verified reads (``verify=True``, the default): a value whose digest (or header) does not match
 is reported ``Status.CORRUPT`` and removed from the store. For ``get`` the bytes of a non-OK
@@ -92,12 +92,14 @@ FORMAT_VERSION = 1
 _MAGIC = b"KVS\x01"
 _HDR = struct.Struct("<4sHH8s16sQQ")  # magic, version, flags, fingerprint, key digest, len, xxh3
 _FLAG_HASHED = 1
-# With a deployment secret (issue 17, ``secret=``): version 2, flags HASHED | MAC, the digest
-# field holds the keyed payload tag T (``StoreSecret.payload_tags``) and bytes 48..64 the header
+# With a deployment secret (issue 17, ``secret=``): version 3, flags HASHED | MAC, the digest
+# field holds the keyed payload tag T (``StoreSecret.payload_tags``: AEGIS-128X2-MAC under a
+# subkey of the secret, truncated to 64 bits) and bytes 48..64 the header
 # MAC, BLAKE3_keyed(k_mac, u32_le(len(key)) || key || u64_le(len) || u64_le(T))[:16]: together a
 # MAC over key || payload that nobody without the secret can compute. Values without a secret
-# stay version 1, byte for byte as before.
-FORMAT_VERSION_MAC = 2
+# stay version 1, byte for byte as before. Version 2 (the same header with a keyed BLAKE3 payload
+# tag, a third of copy speed) is no longer read: such a value is a "bad magic/version" miss.
+FORMAT_VERSION_MAC = 3
 _FLAG_MAC = 2
 _MAC_AT = _HDR.size  # 48: the MAC fills the header's last 16 bytes
 _NO_MAC = "no MAC: written without the deployment secret"
