@@ -90,10 +90,30 @@ class LRUIndex(_Counters):
         return True
 
     def put_many(self, puts: Iterable[Put]) -> int:
-        written = 0
+        """``put`` of each (key, bytes, kind) in order; the bytes written."""
+        entries, by_kind, cap = self._entries, self.resident_by_kind, self.capacity_bytes
+        used = self.used
+        written = values = evictions = 0
         for key, nbytes, kind in puts:
-            if self.put(key, nbytes, kind):
-                written += nbytes
+            if key in entries:
+                continue
+            if nbytes > cap:
+                self.rejected += 1
+                continue
+            while used + nbytes > cap:
+                _old, (size, old_kind) = entries.popitem(last=False)
+                used -= size
+                by_kind[old_kind] -= size
+                evictions += 1
+            entries[key] = (nbytes, kind)
+            used += nbytes
+            by_kind[kind] += nbytes
+            written += nbytes
+            values += 1
+        self.used = used
+        self.bytes_written += written
+        self.values_written += values
+        self.evictions += evictions
         return written
 
 

@@ -444,7 +444,6 @@ class TraceReplay:
                     cand.append(n - a)  # an exact repeat hits one alignment below its end
             if "hedge" in which:
                 cand.append((n - cfg.hedge_tokens) // a * a)
-            # The deepest junction with a prefix the index has seen pass before.
             # The deepest junction with a prefix the index has seen pass before (ghost hashes
             # at a grain of at least 256 tokens; a request's remembered prefix is contiguous,
             # so a binary search finds the deepest seen one).
@@ -464,10 +463,10 @@ class TraceReplay:
             end = max(bounds) if bounds else 0
         if not bounds and policy != "dense":
             return
-        touched, depth_of = self.trie.touched, None
+        touched = self.trie.touched
         # Attention and window blocks: the core's normal save from the saved offset.
         tables = [list(range(1, -(-max(end, 1) // self.block[g]) + 2)) for g in range(len(groups))]
-        puts: List[Tuple[str, int, str, int]] = []  # (key, bytes, kind, block end)
+        puts: List[Tuple[str, int, str]] = []
         if end > offset:
             need: Dict[int, set] = {}
             if policy != "dense":
@@ -475,21 +474,24 @@ class TraceReplay:
                     need[g] = set()
                     for x in bounds:
                         need[g].update(self._needed_window(g, x))
+            sizes = [(bpb[g], groups[g].kind) for g in range(len(groups))]
             for key, g, block_id in planner.plan_save(hashes, tables, end, saved_offset=offset).puts:
-                b = block_id - 1
-                if g in need and b not in need[g]:
+                if g in need and block_id - 1 not in need[g]:
                     continue
-                puts.append((key, bpb[g], groups[g].kind, (b + 1) * self.block[g]))
+                nb, kind = sizes[g]
+                puts.append((key, nb, kind))
         for g in self.mambas:
             for x in bounds:
-                puts.append((planner.key(g, hashes[x // h - 1]), bpb[g], "mamba", x))
+                puts.append((planner.key(g, hashes[x // h - 1]), bpb[g], "mamba"))
+        # Every trace block a value may be written in counts as touched (a superset is safe
+        # for the lookup bound in _lookup_tokens).
+        top = max([end] + bounds)
+        for d in range(offset // TRACE_BLOCK, min(len(nodes), -(-top // TRACE_BLOCK))):
+            touched[nodes[d]] = True
         if policy != "kvstride":
-            for key, nbytes, kind, e in puts:
-                if index.put(key, nbytes, kind):
-                    touched[nodes[(e - 1) // TRACE_BLOCK]] = True
+            index.put_many(puts)
             return
         # kvstride: one boundary set per boundary (attention blocks up to it, window tail, state).
-        new = {p[0]: p for p in puts}
         fa_keys = {g: self._fa_keys(nodes, hashes, g) for g in self.fa}
         for x in bounds:
             needs: List[Tuple[str, int, str]] = []
@@ -505,11 +507,7 @@ class TraceReplay:
                     needs.append((planner.key(g, hashes[e // h - 1]), bpb[g], groups[g].kind))
             for g in self.mambas:
                 needs.append((planner.key(g, hashes[x // h - 1]), bpb[g], "mamba"))
-            if index.put_boundary(hashes[x // h - 1], needs, float(x)):
-                for key, _b, _k in needs:
-                    p = new.get(key)
-                    if p is not None:
-                        touched[nodes[(p[3] - 1) // TRACE_BLOCK]] = True
+            index.put_boundary(hashes[x // h - 1], needs, float(x))
 
 
 def replay(trace: Sequence[TraceRequest], model: ModelGeometry, capacities: Sequence[int],
