@@ -147,6 +147,13 @@ def test_shared_prefix_junction_is_kept_once_seen(toy):
     assert ks["bytes_written"] < dense["bytes_written"]
 
 
+def test_periodic_checkpoints_serve_the_first_reuse_of_a_prefix(toy):
+    trace = [req([1, 2, 3, 4, 5, 6]), req([1, 2, 3, 7, 8])]
+    assert run(toy, trace, "dense")[1] == [1536]
+    assert run(toy, trace, "kvstride", checkpoints="hedge,junction")[1] == []
+    assert run(toy, trace, "kvstride", checkpoints="hedge,junction,every:1024")[1] == [1024]
+
+
 def test_capacity_pressure_dense_evicts_kvstride_keeps(toy):
     # dense writes 4 x 10 + 4 x 30 = 160 per 4-block prompt, kvstride 3 x 10 + 1 state = 60.
     trace = [req([1, 2, 3, 4]), req([10, 11, 12, 13]), req([1, 2, 3, 4])]

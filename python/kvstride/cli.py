@@ -249,6 +249,7 @@ def simulate_trace(args) -> int:
             progress=not args.json and not args.quiet,
             limit=args.limit,
             hedge_tokens=args.hedge_tokens,
+            checkpoints=args.checkpoints,
         )
     except (OSError, ValueError) as err:
         print(f"kvstride simulate --trace: {err}", file=sys.stderr)
@@ -496,6 +497,13 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         default=512,
         help="with --trace, kvstride policy: also checkpoint the last boundary this many tokens before the prompt end",
+    )
+    sim.add_argument(
+        "--checkpoints",
+        default="hedge,junction,every:16384",
+        help="with --trace, kvstride policy: where states are checkpointed, comma list of end (the "
+        "prompt end), hedge (the last boundary --hedge-tokens before it), junction (the deepest "
+        "prefix seen before), every:T (every T tokens)",
     )
     sim.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     sim.add_argument("--plot", metavar="FILE.png", help="draw hit rate and throughput per turn")

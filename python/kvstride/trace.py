@@ -27,11 +27,13 @@ Policies:
   Mamba), the boundaries being ``num_prompt_tokens - 1`` and the request's
   ``shared_prefix_boundary`` (offloading/scheduler.py:1853-1857), each floored to the alignment
   (the full-attention chunk, scheduler.py:196-204); one LRU over values.
-- ``kvstride``: admission: state checkpoints (and window tails) only at boundaries that can hit
-  (the prompt end, the last boundary ``hedge_tokens`` before it, and the deepest junction with
-  a prefix the index has seen before), attention blocks only up to the last of them; eviction:
-  :class:`kvstride.capacity.BoundaryIndex` (coherent boundary sets, GDSF on prefill tokens saved
-  per byte and recency).
+- ``kvstride``: admission: state checkpoints (and window tails) only at boundaries that can hit:
+  the last boundary ``hedge_tokens`` (512) before the prompt end (the next turn of a chat
+  re-renders the prompt's tail; in a Mooncake trace its last, partial 512-token block never
+  repeats), the deepest junction with a prefix the index has seen before, and one every 16384
+  tokens (two prompts sharing that much meet at one); attention blocks only up to the last of
+  them. Eviction: :class:`kvstride.capacity.BoundaryIndex` (coherent boundary sets, lowest
+  priority first: recency, reuse, prefill tokens saved per byte).
 """
 
 from __future__ import annotations
@@ -212,8 +214,10 @@ class ReplayConfig:
     seed: int = 0
     hedge_tokens: int = TRACE_BLOCK  # kvstride: also keep the last boundary this far before the prompt end
     # kvstride: which boundaries get a checkpoint: the prompt "end", the "hedge" before it,
-    # the "junction" with a prefix seen before.
-    checkpoints: str = "hedge,junction"
+    # the "junction" with a prefix seen before, "every:T" tokens (periodic, as vLLM's
+    # prefix_cache_retention_interval: two prompts sharing a prefix of T tokens or more meet
+    # at one).
+    checkpoints: str = "hedge,junction,every:16384"
     check_servable: bool = True
     progress: bool = False
     # Called as on_hit(replay, index, hashes, hit) for every reported hit (tests check it
@@ -444,6 +448,10 @@ class TraceReplay:
                     cand.append(n - a)  # an exact repeat hits one alignment below its end
             if "hedge" in which:
                 cand.append((n - cfg.hedge_tokens) // a * a)
+            for item in which:  # "every:T": also a checkpoint every T tokens (floored to the alignment)
+                if item.startswith("every:"):
+                    step = max(a, int(item[6:]) // a * a)
+                    cand.extend(range(step, p + 1, step))
             # The deepest junction with a prefix the index has seen pass before (ghost hashes
             # at a grain of at least 256 tokens; a request's remembered prefix is contiguous,
             # so a binary search finds the deepest seen one).
