@@ -117,6 +117,31 @@ class LRUIndex(_Counters):
         return written
 
 
+class Ghost:
+    """A bounded, least-recently-seen-first set of boundary hashes: the prefixes requests were
+    seen to pass through, resident or not."""
+
+    def __init__(self, entries: int = 1 << 22) -> None:
+        self.entries = int(entries)
+        self._seen: "collections.OrderedDict[bytes, None]" = collections.OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._seen)
+
+    def seen(self, bid: bytes) -> bool:
+        return bid in self._seen
+
+    def remember(self, bids: Iterable[bytes]) -> None:
+        seen = self._seen
+        for bid in bids:
+            if bid in seen:
+                seen.move_to_end(bid)
+            else:
+                seen[bid] = None
+        while len(seen) > self.entries:
+            seen.popitem(last=False)
+
+
 class BoundaryIndex(_Counters):
     """Boundary sets with reference-counted keys and GreedyDual-Size-Frequency eviction.
 
@@ -136,8 +161,7 @@ class BoundaryIndex(_Counters):
         self.value_weight = float(value_weight)
         self._w_sum = 0.0
         self._w_count = 0
-        self._ghost: "collections.OrderedDict[bytes, None]" = collections.OrderedDict()
-        self.ghost_entries = int(ghost_entries)
+        self.ghost = Ghost(ghost_entries)
 
     def __contains__(self, key: str) -> bool:
         return key in self._keys
@@ -159,17 +183,10 @@ class BoundaryIndex(_Counters):
     # ---- ghost: prefixes seen --------------------------------------------------------------
 
     def seen(self, bid: bytes) -> bool:
-        return bid in self._ghost
+        return self.ghost.seen(bid)
 
     def remember(self, bids: Iterable[bytes]) -> None:
-        ghost = self._ghost
-        for bid in bids:
-            if bid in ghost:
-                ghost.move_to_end(bid)
-            else:
-                ghost[bid] = None
-        while len(ghost) > self.ghost_entries:
-            ghost.popitem(last=False)
+        self.ghost.remember(bids)
 
     # ---- boundary sets ---------------------------------------------------------------------
 

@@ -48,11 +48,13 @@ from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 import numpy as np
 
 from kvstride import _core
-from kvstride.capacity import BoundaryIndex, LRUIndex
+from kvstride.capacity import BoundaryIndex, Ghost, LRUIndex
 
 TRACE_BLOCK = 512
 VOCAB = 150_000
 POLICIES = ("dense", "vllm-reachable", "kvstride")
+# Not in "all": kvstride's admission with the plain LRU index (an ablation of its eviction).
+EXTRA_POLICIES = ("kvstride-admission",)
 WINDOW_KINDS = ("sliding_window", "chunked_local")
 ATTENTION_KINDS = ("full_attention", "mla")
 MODELS_DIR = os.path.join(os.path.dirname(__file__), "models")
@@ -338,8 +340,8 @@ class TraceReplay:
     # -- the run -------------------------------------------------------------------------
 
     def run(self, trace: Sequence[TraceRequest], cfg: ReplayConfig) -> dict:
-        if cfg.policy not in POLICIES:
-            raise ValueError(f"policy {cfg.policy!r}: use one of {', '.join(POLICIES)}")
+        if cfg.policy not in POLICIES + EXTRA_POLICIES:
+            raise ValueError(f"policy {cfg.policy!r}: use one of {', '.join(POLICIES + EXTRA_POLICIES)} or all")
         # The trie's "touched" marks are per run (what this run's index ever held).
         self.trie.touched = [False] * len(self.trie.touched)
         planner, trie, a, s, h = self.planner, self.trie, self.a, self.s, self.h
@@ -347,6 +349,7 @@ class TraceReplay:
         kinds = [g.kind for g in groups]
         boundary_index = cfg.policy == "kvstride"
         index = BoundaryIndex(cfg.capacity_bytes) if boundary_index else LRUIndex(cfg.capacity_bytes)
+        self.ghost = index.ghost if boundary_index else Ghost()
         stats = dict(requests=0, prompt_tokens=0, hit_tokens=0, unservable_hits=0, hits=0, truncated_inputs=0)
         progress = None
         if cfg.progress:
@@ -457,17 +460,18 @@ class TraceReplay:
             # so a binary search finds the deepest seen one).
             grain = self.ghost_grain
             aligned = [hashes[x // h - 1] for x in range(grain, min(p, full) + 1, grain)]
-            if "junction" in which and aligned and index.seen(aligned[0]):
+            ghost = self.ghost
+            if "junction" in which and aligned and ghost.seen(aligned[0]):
                 lo, hi = 0, len(aligned) - 1
                 while lo < hi:
                     mid = (lo + hi + 1) // 2
-                    if index.seen(aligned[mid]):
+                    if ghost.seen(aligned[mid]):
                         lo = mid
                     else:
                         hi = mid - 1
                 cand.append((lo + 1) * grain)
             bounds = sorted({x for x in cand if hit < x <= full})
-            index.remember(aligned)
+            ghost.remember(aligned)
             end = max(bounds) if bounds else 0
         if not bounds and policy != "dense":
             return
