@@ -327,13 +327,16 @@ class KVStore:
             return self.mac_secret.payload_tags([_views(parts) for parts in values])
         return _hash_many(values)
 
-    def _make_header(self, key: str, parts, digest: Optional[int] = None) -> bytes:
-        """``digest``: the payload hash when the caller computed it already (``_hash_many``)."""
+    def _make_header(self, key: str, parts, digest: Optional[int] = None, mac: Optional[bytes] = None) -> bytes:
+        """``digest``: the payload hash when the caller computed it already (``_hash_many``);
+        ``mac``: with a secret, the header MAC of this key, length and digest if computed already
+        (``_header_macs``, one call for a batch)."""
         length = sum(n for _, n in parts)
         if self.mac_secret is not None:
             if digest is None:
                 digest = self._payload_digests([parts])[0]
-            mac = self.mac_secret.header_macs([key], [length], [digest])[0]
+            if mac is None:
+                mac = self.mac_secret.header_macs([key], [length], [digest])[0]
             flags = _FLAG_HASHED | _FLAG_MAC
             return _HDR.pack(_MAGIC, FORMAT_VERSION_MAC, flags, self.fingerprint, _key_digest(key), length, digest) + mac
         if self.verify:
@@ -1266,8 +1269,12 @@ class MooncakeStore(KVStore):
                 digests = [int(digests[i]) for i in todo]
             else:
                 digests = self._payload_digests([regs[i] for i in todo])
+            macs = [None] * len(todo)
+            if self.mac_secret is not None:  # one call for the batch's header MACs
+                lengths = [sum(n for _, n in regs[i]) for i in todo]
+                macs = self.mac_secret.header_macs([keys[i] for i in todo], lengths, [int(d) for d in digests])
             hdr[: len(todo) * HEADER_BYTES] = np.frombuffer(
-                b"".join(self._make_header(keys[i], regs[i], digests[j]) for j, i in enumerate(todo)), np.uint8
+                b"".join(self._make_header(keys[i], regs[i], digests[j], macs[j]) for j, i in enumerate(todo)), np.uint8
             )
             ptrs = [[hbase + j * HEADER_BYTES] + [a for a, _ in regs[i]] for j, i in enumerate(todo)]
             sizes = [[HEADER_BYTES] + [n for _, n in regs[i]] for i in todo]
