@@ -374,8 +374,49 @@ impl KeyPlanner {
         saved_offset: u64,
         exists: &dyn Fn(&str) -> bool,
     ) -> Result<SavePlan> {
+        self.plan_save_from(0, hashes, block_ids, num_tokens, saved_offset, exists)
+    }
+
+    /// The first token a save from `saved_offset` reads: [`plan_save_from`](Self::plan_save_from)
+    /// needs block hashes and block ids from there on only, which keeps a step's planning
+    /// cost independent of the context before it. A multiple of the scheduler block.
+    pub fn save_base(&self, saved_offset: u64) -> u64 {
+        // Window blocks are read from `saved_offset / b_g` on and a key's hash from the hash
+        // block before `saved_offset` on: one scheduler block below covers both.
+        (saved_offset / self.s * self.s).saturating_sub(self.s)
+    }
+
+    /// Where token `base` falls in the inputs of a plan: the hash index, and the row of each
+    /// group's block table.
+    pub fn rows_at(&self, base: u64) -> (usize, Vec<usize>) {
+        let first_hash = (base / self.h) as usize;
+        (first_hash, self.effective.iter().map(|&b| (base / b) as usize).collect())
+    }
+
+    /// [`plan_save`](Self::plan_save) given only the block hashes and block ids from token
+    /// `base` on: `hashes[i]` is the hash of hash block `base / H + i`, `block_ids[g][j]` is the
+    /// block `base / b_g + j` of group `g`. `base` is a multiple of the scheduler block at or
+    /// below [`save_base`](Self::save_base)`(saved_offset)`.
+    pub fn plan_save_from<H: AsRef<[u8]>>(
+        &self,
+        base: u64,
+        hashes: &[H],
+        block_ids: &[Vec<u64>],
+        num_tokens: u64,
+        saved_offset: u64,
+        exists: &dyn Fn(&str) -> bool,
+    ) -> Result<SavePlan> {
         self.check_saved_offset(saved_offset)?;
-        let covered = num_tokens.min(self.tokens_hashed(hashes.len()));
+        if base % self.s != 0 || base > self.save_base(saved_offset) {
+            return Err(Error::new(format!(
+                "base={base} must be a multiple of scheduler_block_size={} at or below \
+                 save_base(saved_offset={saved_offset})={}",
+                self.s,
+                self.save_base(saved_offset)
+            )));
+        }
+        let (first_hash, first_rows) = self.rows_at(base);
+        let covered = num_tokens.min(self.tokens_hashed(first_hash + hashes.len()));
         let end = (covered / self.s * self.s).max(saved_offset);
         let mut entries = Vec::new();
         for g in (0..self.groups.len()).filter(|&g| self.active(g)) {
@@ -399,12 +440,19 @@ impl KeyPlanner {
             } else {
                 (saved_offset / b_g..end / b_g).map(|b| (b, end)).collect()
             };
+            let first_block = first_rows[g] as u64;
             for (b, x) in blocks {
                 if !self.this_rank_puts(g, b) {
                     continue;
                 }
-                if let Some(id) = self.source_block(block_ids, g, b) {
-                    entries.push((g, self.block_key_index(g, b, x), id));
+                // save_base keeps both reads at or above the base; a caller's base above it
+                // was refused before this loop.
+                let below = || Error::new(format!("plan_save read group {g} block {b} below base={base}"));
+                let row = b.checked_sub(first_block).ok_or_else(below)? as usize;
+                let key_index = self.block_key_index(g, b, x).checked_sub(first_hash).ok_or_else(below)?;
+                let table = block_ids.get(g).map(Vec::as_slice).unwrap_or(&[]);
+                if let Some(id) = table.get(row).copied().filter(|&id| id != NULL_BLOCK) {
+                    entries.push((g, key_index, id));
                 }
             }
         }

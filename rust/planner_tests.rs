@@ -553,6 +553,33 @@ proptest! {
         prop_assert!(load.gets.iter().all(|t| store.contains(&t.key)), "a get outside the store");
     }
 
+    /// A save planned from the inputs' tail (`plan_save_from` at any base up to `save_base`)
+    /// is the save planned from the whole inputs.
+    #[test]
+    fn plan_save_from_a_base_is_plan_save(
+        h in hash_unit(),
+        raw in raw_groups(),
+        num_hashes in 0usize..40,
+        n_extra in 0u64..40,
+        offset_pick in any::<u64>(),
+        base_pick in any::<u64>(),
+    ) {
+        let mix = build_mix(h, &raw, None);
+        let p = planner(mix.groups.clone(), mix.h, mix.s);
+        let hashes = fake_hashes(num_hashes);
+        let tables = full_tables(&p, num_hashes);
+        let n = num_hashes as u64 * p.hash_block_size() + n_extra;
+        let saved_offset = offset_pick % (n / mix.s + 1) * mix.s;
+        let whole = p.plan_save(&hashes, &tables, n, saved_offset, &never).unwrap();
+        let base = base_pick % (p.save_base(saved_offset) / mix.s + 1) * mix.s;
+        let (first_hash, rows) = p.rows_at(base);
+        let tail: Vec<Vec<u64>> = tables.iter().zip(&rows).map(|(t, &r)| t[r.min(t.len())..].to_vec()).collect();
+        let from = p.plan_save_from(base, &hashes[first_hash.min(hashes.len())..], &tail, n, saved_offset, &never).unwrap();
+        prop_assert_eq!(from.end, whole.end);
+        prop_assert_eq!(from.puts, whole.puts, "{:?} saved_offset={} base={}", mix, saved_offset, base);
+        prop_assert!(p.plan_save_from(p.save_base(saved_offset) + mix.s, &hashes, &tables, n, saved_offset, &never).is_err());
+    }
+
     /// The Python binding sizes its key list with `lookup_key_count` and refuses a fill that
     /// disagrees with it: the count is the keys `for_each_candidate_key` emits, at any TP size.
     #[test]

@@ -767,6 +767,50 @@ fn hash_slices<'a>(hashes: &'a [Bound<'_, PyBytes>]) -> Vec<&'a [u8]> {
     hashes.iter().map(|h| h.as_bytes()).collect()
 }
 
+/// A list's or tuple's items from index `from` on (O(items taken)); None for other iterables.
+fn items_from<'py>(obj: &Bound<'py, PyAny>, from: usize) -> Option<Vec<Bound<'py, PyAny>>> {
+    if let Ok(list) = obj.cast::<PyList>() {
+        return Some((from..list.len()).filter_map(|i| list.get_item(i).ok()).collect());
+    }
+    if let Ok(tuple) = obj.cast::<PyTuple>() {
+        return Some((from..tuple.len()).filter_map(|i| tuple.get_item(i).ok()).collect());
+    }
+    None
+}
+
+/// A list's or tuple's length; None for other iterables.
+fn items_len(obj: &Bound<'_, PyAny>) -> Option<usize> {
+    if let Ok(list) = obj.cast::<PyList>() {
+        return Some(list.len());
+    }
+    obj.cast::<PyTuple>().ok().map(|tuple| tuple.len())
+}
+
+fn is_list_or_tuple(obj: &Bound<'_, PyAny>) -> bool {
+    obj.is_instance_of::<PyList>() || obj.is_instance_of::<PyTuple>()
+}
+
+/// `block_hashes[from:]` as bytes (a list or tuple is read from `from` on only).
+fn extract_hashes_from<'py>(obj: &Bound<'py, PyAny>, from: usize) -> PyResult<Vec<Bound<'py, PyBytes>>> {
+    let Some(items) = items_from(obj, from) else {
+        let mut all = extract_hashes(obj)?;
+        return Ok(all.split_off(from.min(all.len())));
+    };
+    items
+        .into_iter()
+        .enumerate()
+        .map(|(i, h)| {
+            h.cast_into::<PyBytes>().map_err(|e| {
+                PyTypeError::new_err(format!(
+                    "block_hashes[{}] is a {}, not bytes",
+                    from + i,
+                    type_name(e.into_inner().as_any())
+                ))
+            })
+        })
+        .collect()
+}
+
 fn extract_exists(obj: Option<&Bound<'_, PyAny>>) -> PyResult<HashSet<String>> {
     let Some(obj) = obj else {
         return Ok(HashSet::new());
@@ -783,6 +827,46 @@ fn extract_exists(obj: Option<&Bound<'_, PyAny>>) -> PyResult<HashSet<String>> {
 }
 
 impl KeyPlanner {
+    /// `block_ids[g][rows[g]:]` for every group (lists and tuples are read from the row on).
+    fn block_tables_from(&self, block_ids: &Bound<'_, PyAny>, rows: &[usize]) -> PyResult<Vec<Vec<u64>>> {
+        let Some(tables) = items_from(block_ids, 0).filter(|t| t.iter().all(is_list_or_tuple)) else {
+            let mut tables = self.block_tables(block_ids)?;
+            for (table, &row) in tables.iter_mut().zip(rows) {
+                table.drain(..row.min(table.len()));
+            }
+            return Ok(tables);
+        };
+        let groups = self.inner.groups().len();
+        if tables.len() != groups {
+            return Err(PyValueError::new_err(format!(
+                "block_ids has {} tables for {groups} groups: pass one (possibly empty) block \
+                 table per group",
+                tables.len()
+            )));
+        }
+        tables
+            .iter()
+            .zip(rows)
+            .enumerate()
+            .map(|(g, (table, &row))| {
+                items_from(table, row)
+                    .unwrap_or_default()
+                    .into_iter()
+                    .map(|id| {
+                        let id: i64 = id.extract().map_err(|_| {
+                            PyTypeError::new_err("block_ids must be one list of int block ids per group")
+                        })?;
+                        u64::try_from(id).map_err(|_| {
+                            PyValueError::new_err(format!(
+                                "block_ids[{g}] holds {id}: block ids are >= 0 (0 = NULL)"
+                            ))
+                        })
+                    })
+                    .collect()
+            })
+            .collect()
+    }
+
     fn block_tables(&self, block_ids: &Bound<'_, PyAny>) -> PyResult<Vec<Vec<u64>>> {
         let tables: Vec<Vec<i64>> = block_ids.extract().map_err(|_| {
             PyTypeError::new_err("block_ids must be one list of int block ids per group")
@@ -953,15 +1037,23 @@ impl KeyPlanner {
         saved_offset: i64,
         exists: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<SavePlan> {
-        let hashes = extract_hashes(block_hashes)?;
-        let tables = self.block_tables(block_ids)?;
         let n = non_negative("num_tokens", num_tokens)?;
         let offset = non_negative("saved_offset", saved_offset)?;
+        // Only what the plan reads is converted: a step costs the same at any context length.
+        // (Inputs shorter than the base, or not lists, are converted whole.)
+        let mut base = self.inner.save_base(offset);
+        let hashed = items_len(block_hashes);
+        if hashed.is_none_or(|len| len < self.inner.rows_at(base).0) {
+            base = 0;
+        }
+        let (first_hash, rows) = self.inner.rows_at(base);
+        let hashes = extract_hashes_from(block_hashes, first_hash)?;
+        let tables = self.block_tables_from(block_ids, &rows)?;
         let exists = extract_exists(exists)?;
         let slices = hash_slices(&hashes);
         let inner = &self.inner;
         let plan = py
-            .detach(|| inner.plan_save(&slices, &tables, n, offset, &|k| exists.contains(k)))
+            .detach(|| inner.plan_save_from(base, &slices, &tables, n, offset, &|k| exists.contains(k)))
             .map_err(value_error)?;
         Ok(SavePlan {
             end: plan.end,
