@@ -151,3 +151,24 @@ def test_store_level_get_rejects_forged_and_tampered_values(mooncake_master):
     finally:
         attacker.close()
         victim.close()
+
+
+def test_a_version_2_value_is_a_miss_and_removed(mooncake_master):
+    """Version 2 (a keyed BLAKE3 payload tag) is no longer read: such a value, even one whose
+    header MAC was genuine then, is CORRUPT and removed, so the next save rewrites it as version 3."""
+    store = MooncakeStore(mooncake_master, segment_bytes=16 << 20, fingerprint=FP, secret=SECRET)
+    try:
+        val = np.arange(4096, dtype=np.uint32).view(np.uint8)[:4096]
+        key = f"v2-{uuid.uuid4().hex[:8]}"
+        assert store.put([key], [[val]]) == [Status.OK]
+        raw = bytearray(store.client.get(key))
+        assert int.from_bytes(raw[4:6], "little") == FORMAT_VERSION_MAC == 3
+        raw[4:6] = (2).to_bytes(2, "little")
+        assert store.client.upsert(key, bytes(raw)) == 0
+        out = np.zeros(4096, np.uint8)
+        assert store.get([key], [[out]]) == [Status.CORRUPT]
+        assert store.exists([key]) == [False]
+        assert store.put([key], [[val]]) == [Status.OK]
+        assert store.get([key], [[out]]) == [Status.OK] and np.array_equal(out, val)
+    finally:
+        store.close()
