@@ -42,8 +42,8 @@ import json
 import os
 import sys
 import time
-from dataclasses import dataclass, field
-from typing import Dict, Iterable, List, Optional, Sequence, Tuple
+from dataclasses import dataclass
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -345,8 +345,7 @@ class TraceReplay:
         # The trie's "touched" marks are per run (what this run's index ever held).
         self.trie.touched = [False] * len(self.trie.touched)
         planner, trie, a, s, h = self.planner, self.trie, self.a, self.s, self.h
-        groups, bpb = self.groups, self.model.bytes_per_block
-        kinds = [g.kind for g in groups]
+        groups = self.groups
         boundary_index = cfg.policy == "kvstride"
         index = BoundaryIndex(cfg.capacity_bytes) if boundary_index else LRUIndex(cfg.capacity_bytes)
         self.ghost = index.ghost if boundary_index else Ghost()
