@@ -38,6 +38,7 @@ import numpy as np
 from _dataplane import load
 
 stores = load("stores")
+store_format = load("stores.base")  # the value format's digests, as the gather computes them
 
 
 def med(ts):
@@ -84,8 +85,8 @@ def main():
             raw.batch_remove(ks, True)
 
         res = {}
-        digests = np.array(stores._hash_many(parts_src), dtype=np.uint64)  # what the gather yields
-        tags = np.array(ms["mac"].mac_secret.payload_tags([stores._views(p) for p in parts_src]), dtype=np.uint64)
+        digests = np.array(store_format._hash_many(parts_src), dtype=np.uint64)  # what the gather yields
+        tags = np.array(ms["mac"].mac_secret.payload_tags([store_format._views(p) for p in parts_src]), dtype=np.uint64)
         names = ("raw", "verify=on", "verify=on, digests with the copy", "verify=off", "MAC", "MAC, tags with the copy")
         for _ in range(0 if a.whole_only else a.reps):
             for name in names:

@@ -14,7 +14,7 @@ import textwrap
 
 import pytest
 
-from kvstride.stores import _free_port
+from kvstride.stores.mooncake_master import _free_port
 
 ENV = dict(os.environ, MC_LOG_LEVEL="ERROR")
 SMALL_SIMULATION = ["--preset", "llama", "--conversations", "2", "--batch", "1", "--turns", "1", "--system-tokens", "64",

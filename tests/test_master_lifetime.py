@@ -11,7 +11,7 @@ import time
 import pytest
 
 from kvstride import simulate, stores
-from kvstride.stores import _port_open, start_master
+from kvstride.stores.mooncake_master import _port_open, start_master
 
 ENV = dict(os.environ, MC_LOG_LEVEL="ERROR")
 

@@ -15,7 +15,8 @@ import torch
 import kvdata
 from kvstride.layout import KVLayout
 from kvstride.mooncake_config import resolve_client_config
-from kvstride.stores import MooncakeStore, Status, _free_port
+from kvstride.stores import MooncakeStore, Status
+from kvstride.stores.mooncake_master import _free_port
 from kvstride.transfer import StagingPool, Transfer
 from mooncake_fixture import fresh_master, mooncake_master, mooncake_store  # noqa: F401
 

@@ -19,7 +19,7 @@ from kvstride.mooncake_config import (
     parse_size,
     resolve_client_config,
 )
-from kvstride.stores import _free_port, _port_open
+from kvstride.stores.mooncake_master import _free_port, _port_open
 
 ENV = dict(os.environ, MC_LOG_LEVEL="ERROR")
 

@@ -257,7 +257,7 @@ def test_wire_format_same_with_and_without_the_rust_hash(monkeypatch):
     xxhash package, so values read back across both."""
     import xxhash
 
-    from kvstride import stores
+    from kvstride.stores import base as stores
 
     store = stores.KVStore(fingerprint=b"12345678")
     value = _bufs(1, 70_000, seed=5)[0]

@@ -1,0 +1,164 @@
+"""The embedded store's index, on vLLM's scheduler: which key lives in which arena slot,
+every allocation and eviction, pins of loads in flight, and keys visible only once every rank
+wrote them (:mod:`kvstride.arena` says how the two sides fit). No bytes live here."""
+
+from __future__ import annotations
+
+import collections
+from typing import Dict, List, Optional, Sequence
+
+__all__ = ["SlotIndex", "slots_for", "ALIGN"]
+
+#: Slot size granularity (bytes): every slot starts on a cache line.
+ALIGN = 64
+
+
+def slots_for(capacity_bytes: int, slot_bytes: int) -> int:
+    """How many slots of ``slot_bytes`` fit ``capacity_bytes`` (the scheduler and every worker
+    compute it from the same configuration)."""
+    slot = -(-int(slot_bytes) // ALIGN) * ALIGN
+    if slot <= 0:
+        raise ValueError(f"slot size must be positive, got {slot_bytes}")
+    count = int(capacity_bytes) // slot
+    if count < 1:
+        raise ValueError(
+            f"store_bytes={capacity_bytes} holds no block of {slot} bytes; give at least {slot} "
+            "(kv_connector_extra_config['store_bytes'])"
+        )
+    return count
+
+
+class SlotIndex:
+    """The scheduler's view of the arena: key -> slot, least recently used first.
+
+    ``ready`` keys are readable on every rank; ``writing`` keys have a slot whose save has not
+    been confirmed by every rank; ``pins`` count the loads in flight per slot."""
+
+    def __init__(self, num_slots: int) -> None:
+        self.num_slots = int(num_slots)
+        self._free: List[int] = list(range(self.num_slots - 1, -1, -1))
+        self._ready: "collections.OrderedDict[str, int]" = collections.OrderedDict()
+        self._writing: Dict[str, int] = {}
+        self._pins: Dict[int, int] = {}  # slot -> loads in flight reading it
+        self._key_of: Dict[int, str] = {}  # slot -> the key it holds or is being written for
+        self._doomed: set = set()  # dropped slots still pinned: freed when the last load ends
+        self.evictions = 0
+
+    def __len__(self) -> int:
+        return len(self._ready)
+
+    # The KVStore surface OffloadEngine.lookup uses: present = readable on every rank.
+    def exists(self, keys: Sequence[str]) -> List[bool]:
+        return [k in self._ready for k in keys]
+
+    def slot(self, key: str) -> Optional[int]:
+        """The slot of a ready key, or None."""
+        return self._ready.get(key)
+
+    def keys(self) -> List[str]:
+        """The ready keys, least recently used first."""
+        return list(self._ready)
+
+    def ready_slots(self) -> List[int]:
+        return list(self._ready.values())
+
+    def touch(self, keys: Sequence[str]) -> None:
+        """Mark ready keys most recently used."""
+        for key in keys:
+            if key in self._ready:
+                self._ready.move_to_end(key)
+
+    def known(self, keys: Sequence[str]) -> List[bool]:
+        """Readable, or being written (a save need not write it again)."""
+        return [k in self._ready or k in self._writing for k in keys]
+
+    def pin(self, keys: Sequence[str]) -> Optional[List[int]]:
+        """The slots of ``keys`` (all ready), pinned until ``unpin``; None if one is not ready."""
+        ready = self._ready
+        if not all(k in ready for k in keys):
+            return None
+        return self.pin_ready(keys)
+
+    def pin_ready(self, keys: Sequence[str]) -> List[Optional[int]]:
+        """The slot of each key, pinned until ``unpin``; None (and nothing pinned) for a key
+        that is not ready."""
+        ready, pins, out = self._ready, self._pins, []
+        for key in keys:
+            slot = ready.get(key)
+            if slot is not None:
+                ready.move_to_end(key)
+                pins[slot] = pins.get(slot, 0) + 1
+            out.append(slot)
+        return out
+
+    def unpin(self, slots: Sequence[int]) -> None:
+        pins = self._pins
+        for s in slots:
+            left = pins[s] - 1
+            if left > 0:
+                pins[s] = left
+            else:
+                del pins[s]
+                if s in self._doomed:
+                    self._doomed.discard(s)
+                    self._free.append(s)
+
+    def drop_slots(self, slots: Sequence[int]) -> None:
+        """Forget the ready keys held in ``slots`` (a rank found their value corrupted); a
+        slot still pinned by a load is freed when that load ends."""
+        for s in set(slots):
+            key = self._key_of.get(s)
+            if key is None or self._ready.get(key) != s:
+                continue
+            del self._ready[key]
+            del self._key_of[s]
+            if s in self._pins:
+                self._doomed.add(s)
+            else:
+                self._free.append(s)
+
+    def reserve(self, keys: Sequence[str]) -> List[Optional[int]]:
+        """A slot for each key (None when every slot is pinned or being written), evicting the
+        least recently used ready keys as needed. The keys become ``writing``."""
+        out: List[Optional[int]] = []
+        for key in keys:
+            slot = self._free.pop() if self._free else self._evict_one()
+            if slot is not None:
+                self._writing[key] = slot
+                self._key_of[slot] = key
+            out.append(slot)
+        return out
+
+    def _evict_one(self) -> Optional[int]:
+        for key, slot in self._ready.items():
+            if slot not in self._pins:
+                del self._ready[key]
+                del self._key_of[slot]
+                self.evictions += 1
+                return slot
+        return None
+
+    def confirm(self, keys: Sequence[str]) -> None:
+        """Every rank wrote these keys: they become readable (most recently used)."""
+        for key in keys:
+            slot = self._writing.pop(key, None)
+            if slot is not None:
+                self._ready[key] = slot
+
+    def abandon(self, keys: Sequence[str]) -> None:
+        """A rank failed to write these keys: their slots are free again."""
+        for key in keys:
+            slot = self._writing.pop(key, None)
+            if slot is not None:
+                del self._key_of[slot]
+                self._free.append(slot)
+
+    def clear(self) -> bool:
+        """Forget every ready key (``reset_prefix_cache(reset_connector=True)``); refused
+        (False) while a load or a save is in flight."""
+        if self._pins or self._writing:
+            return False
+        self._free.extend(self._ready.values())
+        self._ready.clear()
+        self._key_of.clear()
+        return True
