@@ -763,3 +763,54 @@ def test_deferred_step_counts_its_dropped_tail(rig_factory):
     assert put_keys >= {k for k, _, _ in rig.planner.plan_save(hashes, tables, 150).puts}
     assert not put_keys & (tail_keys - {k for k, _, _ in rig.planner.plan_save(hashes, tables, 150).puts})
     assert rig.engine.saved_offset("b") == 128
+
+
+# ---- work planned elsewhere (the vLLM connector's scheduler plans, its workers execute) ------
+
+
+@pytest.mark.parametrize("store_kind", ["embedded", "mooncake"])
+def test_planned_puts_and_gets_round_trip(rig_factory, request, store_kind):
+    """A planning-only engine (no KV tensors) plans a save and a load; the rig's engine
+    executes exactly those entries (``submit_planned``): each job's outcome comes back in
+    ``jobs_done``, the loaded blocks equal their sources byte for byte, and the executing
+    engine keeps no request state (the planner's side owns the offsets)."""
+    store = request.getfixturevalue("mooncake_store") if store_kind == "mooncake" else None
+    rig = rig_factory("fa+swa", store=store, register=store is not None)
+    planning = OffloadEngine(rig.planner, None, rig.store, name="test-planning")
+    try:
+        n = 100
+        tokens, hashes, tables, handoffs = rig.source_request(n)
+        sources = rig.sources(hashes, tables, n, handoffs)
+        saves = [SaveRequest("r", hashes, tables, n, handoffs)]
+        states = planning.request_states(["r"])
+        entries, _, ends, failed = planning.plan_saves(saves, states, rig.store.exists)
+        assert entries and not failed and ends == [n // rig.s * rig.s]
+        rig.engine.submit_planned(puts={7: entries})
+        assert rig.engine.wait_idle(30)
+        done = rig.engine.get_finished()
+        assert done.jobs_done == {7: "ok"} and not done.saves_failed
+        assert all(rig.store.exists([key for key, _, _ in entries]))
+        hit = planning.lookup([("again", hashes, n)])["again"]
+        assert hit > 0
+        dst = rig.destination(n)
+        gets = rig.planner.plan_load(hashes, dst, hit).gets
+        rig.engine.submit_planned(gets={"again": list(gets)})
+        assert rig.engine.wait_idle(30)
+        done = rig.engine.get_finished()
+        assert done.loads_done == {"again"} and not done.loads_failed
+        assert rig.check_loaded(hashes, dst, hit, sources) == len(gets)
+        assert rig.engine.saved_offset("again") == 0 and rig.engine.saved_offset("r") == 0
+    finally:
+        planning.shutdown()
+
+
+def test_planned_job_with_a_failed_put_reports_the_job_failed(rig_factory):
+    rig = rig_factory("fa")
+    tokens, hashes, tables, _ = rig.source_request(64)
+    entries = list(rig.planner.plan_save(hashes, tables, 64).puts)
+    bad = entries + [("k-outside", 0, 10**6)]  # a block the KV cache does not have
+    rig.engine.submit_planned(puts={1: entries, 2: bad, 3: []})
+    assert rig.engine.wait_idle(30)
+    done = rig.engine.get_finished()
+    assert done.jobs_done == {1: "ok", 2: "failed", 3: "ok"}
+    assert rig.engine.counters["save_bad_block"] == 1

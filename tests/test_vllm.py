@@ -25,6 +25,7 @@ torch = pytest.importorskip("torch")
 from vllm import LLM  # noqa: E402
 
 import kvstride.vllm as kv_vllm  # noqa: E402
+from kvstride.vllm import scheduler as vllm_scheduler  # noqa: E402
 import vllm_harness as harness  # noqa: E402
 from kvstride.arena import HostArena  # noqa: E402
 from kvstride.stores import MooncakeStore, Status  # noqa: E402
@@ -57,7 +58,13 @@ def _connectors(llm):
     """(scheduler-side, worker-side) connector of an in-process engine."""
     from vllm.distributed.kv_transfer.kv_transfer_state import get_kv_transfer_group
 
-    return llm.llm_engine.engine_core.engine_core.scheduler.connector, get_kv_transfer_group()
+    return llm.llm_engine.engine_core.engine_core.scheduler.connector.side, get_kv_transfer_group().side
+
+
+def _scheduler_side(llm):
+    """The scheduler side of the engine's connector; None without one."""
+    connector = harness.scheduler_of(llm).connector
+    return None if connector is None else connector.side
 
 
 def _store_config(kind: str, master, name: str) -> dict:
@@ -328,14 +335,14 @@ def test_a_hit_whose_load_cannot_be_recorded_is_recomputed(model_dirs, plain_out
     fails: the request is reported failed and recomputed, never left waiting."""
     name = "gemma3"
     armed = [False]
-    real = kv_vllm.LoadRequest
+    real = vllm_scheduler.LoadRequest
 
     def load_request(*args, **kwargs):
         if armed[0]:
             raise RuntimeError("bookkeeping exploded")
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(kv_vllm, "LoadRequest", load_request)
+    monkeypatch.setattr(vllm_scheduler, "LoadRequest", load_request)
     llm = LLM(**harness.engine_kwargs(harness.MODELS[name], model_dirs[name], connector={"store": "embedded"}))
     try:
         sched, worker = _connectors(llm)
@@ -429,7 +436,7 @@ P481 = [(7 * i + 3) % 500 + 3 for i in range(15 * 32 + 1)]
 def _repeat_481(llm, hits: Optional[list] = None) -> dict:
     """P481, then its exact repeat after a forced miss; ``hits`` gets each request's external
     hit tokens (with a connector). Ends with vLLM's blocks back (``assert_idle``)."""
-    sched = harness.scheduler_of(llm).connector
+    sched = _scheduler_side(llm)
     idle = harness.free_blocks(llm)
     out = {}
     for phase in ("first", "repeat"):
@@ -519,7 +526,7 @@ TAIL = (harness.PROMPT_TOKENS - 1) // 32 * 32  # 448
 
 def _tail_prompt(llm, hits: Optional[list] = None) -> dict:
     """P1's first TAIL + 1 tokens after a forced miss (a hit can reach TAIL)."""
-    sched = harness.scheduler_of(llm).connector
+    sched = _scheduler_side(llm)
     harness.drain_and_forget(llm, 7)
     before = sched.matched_tokens if sched is not None else 0
     out = {"tail": harness.generate(llm, harness.prompts()[0][: TAIL + 1])}

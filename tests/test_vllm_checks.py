@@ -1,4 +1,4 @@
-"""kvstride.vllm_checks.check_reproducible_hashes against vLLM's own NONE_HASH seeding.
+"""kvstride.vllm.checks.check_reproducible_hashes against vLLM's own NONE_HASH seeding.
 
 No engine boots: real VllmConfig / CacheConfig objects, PYTHONHASHSEED monkeypatched. The
 ground truth is vLLM itself: ``init_none_hash`` run twice in one process gives two different
@@ -19,8 +19,8 @@ from vllm.config import CacheConfig, ParallelConfig, VllmConfig  # noqa: E402
 from vllm.utils.hashing import get_hash_fn_by_name  # noqa: E402
 from vllm.v1.core import kv_cache_utils  # noqa: E402
 
-from kvstride import vllm_checks  # noqa: E402
-from kvstride.vllm_checks import (  # noqa: E402
+from kvstride.vllm import checks as vllm_checks  # noqa: E402
+from kvstride.vllm.checks import (  # noqa: E402
     check_reproducible_hashes,
     hash_portability_warning,
     hash_reproducibility_problems,

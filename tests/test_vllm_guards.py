@@ -38,7 +38,7 @@ def engine(tmp_path_factory):
 def _connectors(llm):
     from vllm.distributed.kv_transfer.kv_transfer_state import get_kv_transfer_group
 
-    return llm.llm_engine.engine_core.engine_core.scheduler.connector, get_kv_transfer_group()
+    return llm.llm_engine.engine_core.engine_core.scheduler.connector.side, get_kv_transfer_group().side
 
 
 class _Output:
@@ -65,7 +65,7 @@ def _fresh_worker(engine):
     """A worker-side connector of the engine's configuration, sharing its arena."""
     _, worker = _connectors(engine)
     fresh = kv_vllm.KVStrideConnector(worker._vllm_config, KVConnectorRole.WORKER, worker._kv_cache_config)
-    fresh.arena = worker.arena
+    fresh.side.arena = worker.arena
     return fresh
 
 
@@ -74,7 +74,7 @@ def test_load_after_shutdown_is_recomputed(engine):
     from concurrent.futures import ThreadPoolExecutor
 
     fresh = _fresh_worker(engine)
-    fresh._arena_loader = ThreadPoolExecutor(1)
+    fresh.side._arena_loader = ThreadPoolExecutor(1)
     fresh.shutdown()
     copy = kv_vllm.ArenaCopy(slots=[0], groups=[0], block_ids=[1])
     fresh.bind_connector_metadata(kv_vllm.KVStrideMetadata(arena_loads={"late": copy}))
@@ -102,19 +102,19 @@ def test_completions_survive_an_error(engine, monkeypatch):
     """A failed load taken from the engine reaches vLLM as failed even when a later part of
     ``get_finished`` raises: never as a load that succeeded, never lost."""
     fresh = _fresh_worker(engine)
-    fresh.engine = _Engine()
+    fresh.side.engine = _Engine()
     future = Future()
     future.set_exception(RuntimeError("the loader died"))
-    fresh._arena_inflight["other"] = (future, kv_vllm.ArenaCopy([0], [0], [1]))
+    fresh.side._arena_inflight["other"] = (future, kv_vllm.ArenaCopy([0], [0], [1]))
 
     def broken_loads_done():
         raise RuntimeError("a bug after the engine's completions were taken")
         yield  # a generator, like the real one
 
-    monkeypatch.setattr(fresh, "_arena_loads_done", broken_loads_done)
+    monkeypatch.setattr(fresh.side, "_arena_loads_done", broken_loads_done)
     results = fresh.get_transfer_results(set())
     assert "r" in results.finished_recving and "r" in results.failed_recving, results
-    fresh.engine = None
+    fresh.side.engine = None
     fresh.shutdown()
 
 
@@ -122,7 +122,7 @@ def test_arena_load_thread_touches_no_connector_state(engine):
     """The loader thread only copies: what it found travels back in the future's result and is
     counted on the step thread, so the counters and corrupt-slot list it shares cannot race."""
     fresh = _fresh_worker(engine)
-    before = {k: repr(v) for k, v in vars(fresh).items()}
-    ok, seconds = fresh._arena_load(kv_vllm.ArenaCopy(slots=[0], groups=[0], block_ids=[1]))
+    before = {k: repr(v) for k, v in vars(fresh.side).items()}
+    ok, seconds = fresh.side._arena_load(kv_vllm.ArenaCopy(slots=[0], groups=[0], block_ids=[1]))
     assert isinstance(ok, np.ndarray) and seconds >= 0
-    assert {k: repr(v) for k, v in vars(fresh).items()} == before
+    assert {k: repr(v) for k, v in vars(fresh.side).items()} == before

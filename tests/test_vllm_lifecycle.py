@@ -17,7 +17,7 @@ pytest.importorskip("vllm")
 
 from vllm import LLM  # noqa: E402
 
-import kvstride.vllm as kv_vllm  # noqa: E402
+from kvstride.vllm import store_registry  # noqa: E402
 import vllm_harness as harness  # noqa: E402
 from kvstride.stores import MooncakeStore  # noqa: E402
 from mooncake_fixture import mooncake_master  # noqa: E402,F401  (fixture)
@@ -65,4 +65,4 @@ def test_repeated_engines_leak_nothing(tmp_path, mooncake_master):
     assert all(t == before for t in threads), f"kvstride threads after each round: {threads}, before: {before}"
     growth = rss[-1] - rss[1]
     assert growth <= RSS_SLACK * (ROUNDS - 2), f"resident memory grew {growth >> 20} MiB over {ROUNDS - 2} rounds: {rss}"
-    assert not kv_vllm._STORES, kv_vllm._STORES
+    assert not store_registry._STORES, store_registry._STORES

@@ -74,7 +74,7 @@ def _phases_with_attack(llm, attacker, prefix):
 def _worker(llm):
     from vllm.distributed.kv_transfer.kv_transfer_state import get_kv_transfer_group
 
-    return get_kv_transfer_group()
+    return get_kv_transfer_group().side
 
 
 @pytest.mark.parametrize("name", ["llama", "gemma3", "qwen3_next"])

@@ -44,7 +44,7 @@ import pytest
 pytest.importorskip("vllm")
 
 import vllm_harness as harness  # noqa: E402
-from kvstride.stores import _free_port  # noqa: E402
+from kvstride.stores.mooncake_master import _free_port  # noqa: E402
 
 TESTS = Path(__file__).resolve().parent
 MODELS = ["llama", "gemma3"]  # one KV-cache group; four (3 sliding-window + 1 full)

@@ -1,4 +1,4 @@
-"""kvstride.vllm_stats through vLLM 0.32's own stats path: engine counters to per-step deltas,
+"""kvstride.vllm.stats through vLLM 0.32's own stats path: engine counters to per-step deltas,
 pickled like worker outputs, summed by ``KVOutputAggregator`` and with the scheduler's,
 msgpack-encoded in ``SchedulerStats`` like engine-core outputs, then logged by
 ``KVConnectorLogging`` and recorded by ``KVConnectorProm`` into the real prometheus_client
@@ -29,7 +29,7 @@ from vllm.v1.serial_utils import MsgpackDecoder, MsgpackEncoder  # noqa: E402
 
 from kvstride.engine import LoadRequest, SaveRequest  # noqa: E402
 from kvstride.vllm import KVStrideConnector  # noqa: E402
-from kvstride.vllm_stats import KVStridePromMetrics, KVStrideStats, stats_delta  # noqa: E402
+from kvstride.vllm.stats import KVStridePromMetrics, KVStrideStats, stats_delta  # noqa: E402
 from test_engine import Rig  # noqa: E402
 
 

@@ -10,6 +10,10 @@ calls, per engine step:
   which blocks) and copied out of the KV cache before it returns: straight into the embedded
   arena's slots (the whole save), or through the staging pool batch by batch, each batch put
   on the save lane as soon as it is copied; loads run on the load lane, never behind a save;
+- or, where planning and execution live in different processes (the vLLM connector: its
+  scheduler plans with ``plan_saves`` and the core, its workers execute), ``submit_planned(puts,
+  gets)``: the same copies and store calls for ``(key, group, block_id)`` entries planned
+  elsewhere, each save job's outcome reported back instead of moving an offset here;
 - ``get_finished()``: which loads and saves completed, and the block ids whose load failed
   (the driver recomputes them).
 
@@ -78,6 +82,7 @@ class Finished:
     saves_done: set = field(default_factory=set)  # req ids whose save job finished: blocks free
     saves_failed: set = field(default_factory=set)  # req ids with a put that did not succeed
     saves_deferred: set = field(default_factory=set)  # req ids with puts left to a later step
+    jobs_done: Dict[int, str] = field(default_factory=dict)  # planned save job id -> "ok", "failed" or "deferred"
 
 
 class _RequestState:
@@ -98,8 +103,9 @@ class _RequestState:
 class _LoadJob:
     step: int
     loads: List[LoadRequest]
-    states: List[_RequestState]  # one per load, captured at submit
+    states: List[Optional[_RequestState]]  # one per load, captured at submit (None: planned elsewhere)
     after: object = None  # CUDA: an event on the caller's stream that the scatters follow
+    planned: Optional[Dict[str, List[Tuple[str, int, int]]]] = None  # req id -> its gets, planned elsewhere
 
 
 @dataclass
@@ -117,6 +123,7 @@ class _SaveJob:
     tail_keys: set = field(default_factory=set)  # keys only partial tails name
     in_flight: int = 0  # batches handed to the save lane and not put yet
     staging: bool = True  # submit is still copying batches
+    job_id: Optional[int] = None  # a save job planned elsewhere (its owners are this id)
 
 
 @dataclass
@@ -378,6 +385,57 @@ class OffloadEngine:
             self._finish_saves(job)
         return step
 
+    def submit_planned(
+        self,
+        puts: Optional[Dict[int, List[Tuple[str, int, int]]]] = None,
+        gets: Optional[Dict[str, List[Tuple[str, int, int]]]] = None,
+    ) -> int:
+        """Execute one step's work that a planner elsewhere planned (the vLLM connector's
+        scheduler, which holds the requests' offsets): ``puts`` maps a save job id to its
+        ``(key, group, block_id)`` entries, copied out of the KV cache before this returns (as
+        ``submit``'s saves are) and put on the save lane, each job's outcome reported in
+        ``Finished.jobs_done`` (``"ok"``, ``"failed"`` if a put failed, else ``"deferred"`` if some were
+        left to a later step); ``gets`` maps a
+        request id to the entries of its load, run on the load lane and reported like
+        ``submit``'s loads. Returns the step number."""
+        puts, gets = dict(puts or {}), dict(gets or {})
+        with self._lock:
+            self._step += 1
+            step = self._step
+            if self._closed:
+                self.counters["refused_after_shutdown"] += len(puts) + len(gets)
+                for req_id, entries in gets.items():
+                    self._finished.loads_done.add(req_id)
+                    self._finished.loads_failed[req_id] = {(g, b) for _, g, b in entries}
+                self._finished.jobs_done.update((job_id, "failed") for job_id in puts)
+                return step
+            if gets:
+                after = None if self.transfer is None else self.transfer.current_stream_event()
+                loads = [LoadRequest(req_id, (), (), 0) for req_id in gets]
+                self._load_queue.put(_LoadJob(step, loads, [None] * len(loads), after, planned=gets))
+        for job_id, entries in puts.items():
+            job = _SaveJob(step, [], [], [], job_id=job_id)
+            try:
+                entries = [entry for entry in entries if self._save_block_in_layout(f"job {job_id}", entry)]
+                if len(entries) < len(puts[job_id]):
+                    job.failed.add(job_id)
+                job.owners = {key: [job_id] for key, _, _ in entries}
+                if self.direct:
+                    self._put_direct(job, entries)
+                else:
+                    self._stage_entries(job, entries)
+            except Exception as err:  # never into the driver: fail the job, keep going
+                self._log_once("save-bug", "save job of step %d failed: %r", step, err)
+                self.count("save_job_errors")
+                with self._lock:
+                    job.failed.add(job_id)
+            with self._lock:
+                job.staging = False
+                finished = not job.in_flight
+            if finished:
+                self._finish_saves(job)
+        return step
+
     def get_finished(self) -> Finished:
         with self._lock:
             done, self._finished = self._finished, Finished()
@@ -468,6 +526,16 @@ class OffloadEngine:
         except Exception:  # a malformed table: report what can be read
             return set()
 
+    def _save_block_in_layout(self, owner: str, entry: Tuple[str, int, int]) -> bool:
+        """Whether a save's source block is in the KV cache (a table naming blocks we do not
+        have is counted and logged once)."""
+        _, group, block_id = entry
+        if self._in_layout(group, block_id):
+            return True
+        self.count("save_bad_block")
+        self._log_once("save-bad-block", "%s: block %d of group %d is not in the KV cache", owner, block_id, group)
+        return False
+
     def _in_layout(self, group: int, block_id: int) -> bool:
         if self._num_blocks is None:  # planning without KV tensors: the worker checks
             return block_id > 0
@@ -503,18 +571,19 @@ class OffloadEngine:
                         return start, None
                     self._pool_freed.wait()
 
-    def plan_saves(self, saves: Sequence[SaveRequest], states: Sequence["_RequestState"], known):
+    def plan_saves(self, saves: Sequence[SaveRequest], states: Sequence["_RequestState"], known, planner=None):
         """The core's plans for ``saves`` (normal save and partial tail) from each request's
         planned offset, minus keys ``known(keys)`` says are stored; advances the planned offsets.
+        ``planner``: another rank's planner (the same groups and offsets, its own keys).
         Returns (entries [(key, group, block_id)], owners {key: [req ids]}, ends, failed req ids).
         Entries a later step may not be able to plan again come first: keys only a partial tail
         names (its hand-off blocks are valid in this step only), then window-group blocks."""
-        entries, owners, ends, failed, _ = self._plan_saves(saves, states, known)
+        entries, owners, ends, failed, _ = self._plan_saves(saves, states, known, planner)
         return entries, owners, ends, failed
 
-    def _plan_saves(self, saves, states, known):
+    def _plan_saves(self, saves, states, known, planner=None):
         """``plan_saves``, plus the keys only partial tails name."""
-        planner = self.planner
+        planner = planner or self.planner
         windowed = [spec.kind in ("sliding_window", "chunked_local") for spec in planner.groups]
         ordered: List[Tuple[int, str, int, int]] = []  # (staging order, key, group, block_id)
         owners: Dict[str, List[str]] = {}
@@ -544,9 +613,7 @@ class OffloadEngine:
                 puts.extend(tail.puts)
             req_id = save.req_id
             for key, group, block_id in puts:
-                if not self._in_layout(group, block_id):  # a table naming blocks we do not have
-                    self.count("save_bad_block")
-                    self._log_once("save-bad-block", "request %s: block %d of group %d is not in the KV cache", req_id, block_id, group)
+                if not self._save_block_in_layout(f"request {req_id}", (key, group, block_id)):
                     failed.add(req_id)
                     continue
                 waiting = owners.get(key)
@@ -579,8 +646,13 @@ class OffloadEngine:
         and copy the remaining blocks into staging batch by batch, each handed to the save
         lane at once. While the pool is full, wait for this job's own batches to be put; with
         none of them in flight (earlier steps hold the pool) defer the rest."""
-        start_time = time.perf_counter()
         entries, job.owners, job.ends, job.failed, job.tail_keys = self._plan_saves(job.saves, job.states, self.store.exists)
+        self._stage_entries(job, entries)
+
+    def _stage_entries(self, job: _SaveJob, entries: List[Tuple[str, int, int]]) -> None:
+        """Copy ``entries`` into staging batch by batch, each handed to the save lane at once
+        (``_stage_saves``)."""
+        start_time = time.perf_counter()
 
         def own_batch_in_flight() -> bool:
             return not self._closed and job.in_flight > 0
@@ -663,6 +735,10 @@ class OffloadEngine:
     def _save_direct(self, job: _SaveJob) -> None:
         """Plan ``job``'s saves and copy their blocks straight into the store."""
         entries, job.owners, job.ends, job.failed = self.plan_saves(job.saves, job.states, self.store.exists)
+        self._put_direct(job, entries)
+
+    def _put_direct(self, job: _SaveJob, entries: List[Tuple[str, int, int]]) -> None:
+        """Copy ``entries`` straight into a store that copies blocks itself."""
         if entries:
             keys, groups, block_ids = zip(*entries)
             put_start = time.perf_counter()
@@ -703,6 +779,8 @@ class OffloadEngine:
                 else:
                     state.offset = max(state.offset, end)
                     self.counters["saves_ok"] += 1
+            if job.job_id is not None:
+                self._finished.jobs_done[job.job_id] = "failed" if job.failed else "deferred" if job.deferred else "ok"
 
     def _fetch(self, entries: List[Tuple[str, int, int]], after=None):
         """Read ``entries`` into their destination blocks (only those whose status is OK are
@@ -753,14 +831,17 @@ class OffloadEngine:
         owner: List[str] = []
         failed: Dict[str, set] = {}
         for load in job.loads:
-            plan = self.planner.plan_load(
-                load.block_hashes, load.block_ids, load.hit_tokens, local_tokens=load.local_tokens
-            )
-            if plan.missing:  # recomputed as a whole: nothing of it is fetched
-                self.count("load_missing_destination", len(plan.missing))
-                failed[load.req_id] = self._all_blocks(load)
-                continue
-            for entry in plan.gets:
+            gets = None if job.planned is None else job.planned.get(load.req_id, [])
+            if gets is None:
+                plan = self.planner.plan_load(
+                    load.block_hashes, load.block_ids, load.hit_tokens, local_tokens=load.local_tokens
+                )
+                if plan.missing:  # recomputed as a whole: nothing of it is fetched
+                    self.count("load_missing_destination", len(plan.missing))
+                    failed[load.req_id] = self._all_blocks(load)
+                    continue
+                gets = plan.gets
+            for entry in gets:
                 _, group, block_id = entry
                 if not self._in_layout(group, block_id):
                     self.count("load_bad_block")
@@ -784,6 +865,8 @@ class OffloadEngine:
                     self.count("loads_failed")
                 else:
                     self.count("loads_ok")
+                    if state is None:  # planned elsewhere: the planner's side keeps the offsets
+                        continue
                     # The loaded prefix is in the store: this request's saves start after it.
                     # (The state captured at submit: a finished request's is detached.)
                     done_to = self.planner.saved_offset_after_load(load.hit_tokens)

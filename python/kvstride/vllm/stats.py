@@ -19,6 +19,9 @@ So ``data`` is flat, ``{name: int | float}``, and holds only the names whose del
 
 from __future__ import annotations
 
+import collections
+import logging
+import threading
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Dict, Mapping, Optional, Tuple
 
@@ -30,7 +33,9 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
 
-__all__ = ["KVStrideStats", "KVStridePromMetrics", "stats_delta"]
+__all__ = ["KVStrideStats", "KVStridePromMetrics", "stats_delta", "Outcomes"]
+
+log = logging.getLogger("kvstride.vllm")
 
 #: Stats name -> the engine counter it is the delta of.
 COUNTED = {
@@ -176,3 +181,55 @@ class KVStridePromMetrics(KVConnectorPromMetrics):
             labelvalues = self.per_engine_labelvalues[engine_idx] + [outcome]
             self._failures_by_outcome[key] = self._failures.labels(*labelvalues)
         return self._failures_by_outcome[key]
+
+
+class Outcomes:
+    """What one side of the connector counted and timed (its engine adds its own), logged
+    once per kind of failure, and reported to vLLM as per-step deltas. The step thread and
+    the arena loader's results both land here, under the lock."""
+
+    def __init__(self) -> None:
+        self.engine = None  # the side's OffloadEngine, once it has one
+        self.store = None  # the side's store client (Mooncake), if any
+        self._counters: collections.Counter = collections.Counter()
+        self._seconds: collections.Counter = collections.Counter()
+        self._counters_lock = threading.Lock()
+        self._logged: set = set()
+        self._stats_last: dict = {}  # the totals last reported to vLLM
+
+    def count(self, name: str, n: int = 1) -> None:
+        with self._counters_lock:
+            self._counters[name] += n
+
+    def _add_seconds(self, operation: str, seconds: float) -> None:
+        with self._counters_lock:
+            self._seconds[operation] += seconds
+
+    def _log_once(self, what: str, message: str, *args) -> None:
+        with self._counters_lock:
+            if what in self._logged:
+                return
+            self._logged.add(what)
+        log.warning(message, *args)
+
+    @property
+    def counters(self) -> collections.Counter:
+        """What this side counted: the connector's outcomes plus its engine's."""
+        with self._counters_lock:
+            out = collections.Counter(self._counters)
+        if self.engine is not None:
+            out.update(dict(self.engine.counters))
+        if self.store is not None:  # forged values the store's MAC check refused (issue 17)
+            out["mac_rejected"] += self.store.counters.get("mac_rejected", 0)
+        return out
+
+    def get_kv_connector_stats(self) -> Optional[KVStrideStats]:
+        try:
+            with self._counters_lock:
+                seconds = collections.Counter(self._seconds)
+            if self.engine is not None:
+                seconds.update(dict(self.engine.seconds))
+            return stats_delta(self.counters, seconds, self._stats_last)
+        except Exception as err:  # stats are never worth a failed step
+            self._log_once("stats", "kvstride stats failed: %r", err)
+            return None

@@ -1,0 +1,185 @@
+"""What the connector reads from vLLM's configuration: the KV-cache groups as kvstride
+:class:`~kvstride.GroupSpec` s, the fingerprint of everything a stored block's bytes depend
+on, the tensor-parallel rank, ``kv_connector_extra_config``, and the key planner they make.
+Configuration that cannot work is a ``ValueError`` here, at construction."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import List, Optional
+
+import kvstride
+from kvstride.arena.index import slots_for
+from kvstride.mooncake_config import parse_size
+from kvstride.secret import load_secret
+
+__all__ = ["ConnectorConfig", "resolve_config", "group_specs", "arena_slot_bytes", "DEFAULT_STORE_BYTES"]
+
+def group_specs(kv_cache_config, vllm_config) -> List[kvstride.GroupSpec]:
+    """One :class:`kvstride.GroupSpec` per vLLM KV-cache group, in group order."""
+    from vllm.v1 import kv_cache_interface as kci
+
+    mamba_mode = getattr(vllm_config.cache_config, "mamba_cache_mode", "none") or "none"
+    out = []
+    for g, group in enumerate(kv_cache_config.kv_cache_groups):
+        spec = group.kv_cache_spec
+        bs = int(spec.block_size)
+        heads = _total_kv_heads(spec, vllm_config)
+        if isinstance(spec, kci.CircularBufferSpec):
+            out.append(kvstride.GroupSpec("circular_buffer", bs))
+        elif isinstance(spec, kci.SlidingWindowSpec):  # incl. SlidingWindowMLASpec
+            out.append(kvstride.GroupSpec("sliding_window", bs, window=int(spec.sliding_window), num_kv_heads=heads))
+        elif isinstance(spec, kci.ChunkedLocalAttentionSpec):
+            out.append(kvstride.GroupSpec("chunked_local", bs, window=int(spec.attention_chunk_size), num_kv_heads=heads))
+        elif isinstance(spec, kci.MLAAttentionSpec):
+            out.append(kvstride.GroupSpec("mla", bs))
+        elif isinstance(spec, kci.FullAttentionSpec):
+            out.append(kvstride.GroupSpec("full_attention", bs, num_kv_heads=heads))
+        elif isinstance(spec, kci.MambaSpec):
+            out.append(kvstride.GroupSpec("mamba", bs, mamba_mode=mamba_mode))
+        else:
+            raise ValueError(
+                f"KV-cache group {g} has a {type(spec).__name__}, which kvstride cannot offload; "
+                "supported: full attention, MLA, sliding window, chunked local, Mamba, circular buffer"
+            )
+    return out
+
+
+def _total_kv_heads(spec, vllm_config) -> Optional[int]:
+    """The model's KV heads of a group (SEMANTICS §3 replicates keys over ``tp_size //
+    heads``). vLLM's spec holds one rank's share, ``max(1, total // tp)``: with fewer heads
+    than ranks that is 1 on every rank, so the total comes from the model config."""
+    per_rank = getattr(spec, "num_kv_heads", None)
+    if per_rank is None:
+        return None
+    tp = max(1, int(getattr(vllm_config.parallel_config, "tensor_parallel_size", 1) or 1))
+    try:
+        total = int(vllm_config.model_config.get_total_num_kv_heads())
+    except Exception:
+        total = None
+    if total is not None and max(1, total // tp) == int(per_rank):
+        return total
+    return int(per_rank) * tp  # a group whose heads differ from the model's: its own share
+
+
+def _refuse_unsupported_parallelism(parallel_config) -> None:
+    """Pipeline and context parallelism shard the KV cache in ways the keys do not name yet:
+    refused rather than stored under keys another shard would read."""
+    for setting in ("pipeline_parallel_size", "prefill_context_parallel_size", "decode_context_parallel_size"):
+        value = int(getattr(parallel_config, setting, 1) or 1)
+        if value > 1:
+            raise ValueError(
+                f"kvstride does not support {setting}={value} yet (its KV shards would be keyed as "
+                f"one); run with {setting}=1, or without the KVStrideConnector"
+            )
+
+
+def _tp_rank(parallel_config, tp_size: int) -> int:
+    """This worker's tensor-parallel rank."""
+    try:
+        from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+        return int(get_tensor_model_parallel_rank())
+    except Exception:  # no model-parallel group (a worker built outside vLLM's launcher)
+        return int(getattr(parallel_config, "rank", 0) or 0) % tp_size
+
+
+def _fingerprint(vllm_config, kv_cache_config, groups) -> str:
+    """16 hex chars describing everything a stored block's bytes depend on."""
+    model = vllm_config.model_config
+    cache = vllm_config.cache_config
+    desc = {
+        "model": str(getattr(model, "model", "")),
+        "dtype": str(getattr(model, "dtype", "")),
+        "kv_dtype": str(getattr(cache, "cache_dtype", "")),
+        "hash": str(getattr(cache, "prefix_caching_hash_algo", "")),
+        "groups": [
+            [type(g.kv_cache_spec).__name__, repr(spec_g), int(getattr(g.kv_cache_spec, "page_size_bytes", 0)), list(g.layer_names)]
+            for g, spec_g in zip(kv_cache_config.kv_cache_groups, groups)
+        ],
+        "layout": str(getattr(kv_cache_config, "kv_cache_layout", "")),
+    }
+    return kvstride.layout_fingerprint(desc)
+
+
+
+
+@dataclass
+class ConnectorConfig:
+    """Everything both sides of the connector are built from."""
+
+    extra: dict  # kv_connector_extra_config
+    groups: List[kvstride.GroupSpec]
+    fingerprint: str
+    planner: kvstride.KeyPlanner  # this side's: the worker's rank, rank 0 on the scheduler
+    rank_planners: List[kvstride.KeyPlanner]  # the scheduler's, one per TP rank it plans for
+    tp_rank: int
+    secret: Optional[bytes]
+    arena_mode: bool  # the embedded store: the scheduler's index, the workers' arena
+    num_slots: int  # arena slots per rank (embedded store only)
+    world_size: int
+
+
+def resolve_config(vllm_config, kv_cache_config, worker: bool) -> ConnectorConfig:
+    """The connector's configuration for one side (``worker``: this process holds KV tensors)."""
+    extra = dict(vllm_config.kv_transfer_config.kv_connector_extra_config or {})
+    # The deployment key (issue 17): keyed store keys and, on Mooncake, a MAC on every value.
+    # A missing, unreadable, group/other-readable or weak file is a ValueError naming it.
+    secret_file = extra.get("secret_file")
+    secret = load_secret(secret_file) if secret_file else None
+    groups = group_specs(kv_cache_config, vllm_config)
+    vllm_h = getattr(kv_cache_config, "hash_block_size", None)
+    # vLLM's hash block (its prefix_match_unit when one is set) is the unit kvstride keys by.
+    S, H = kvstride.resolve_block_sizes(groups, prefix_match_unit=None if vllm_h is None else int(vllm_h))
+    if vllm_h is not None and int(vllm_h) != H:
+        raise ValueError(
+            f"vLLM hashes blocks of {vllm_h} tokens but kvstride resolves H={H} for groups "
+            f"{[(g.kind, g.block_size) for g in groups]}; the request block hashes would not line up"
+        )
+    fp = _fingerprint(vllm_config, kv_cache_config, groups)
+    pc = vllm_config.parallel_config
+    _refuse_unsupported_parallelism(pc)
+    arena_mode = str(extra.get("store", "embedded")) == "embedded"
+    # Keys per TP rank (SEMANTICS §3). The arena's keys never leave the scheduler's index
+    # and every rank writes its own shard into the same slot, so it keys as one rank; a
+    # Mooncake store is shared by every rank, so each keys (and stripes) its own heads, and
+    # the scheduler looks up in every rank's namespace.
+    tp_size = 1 if arena_mode else max(1, int(getattr(pc, "tensor_parallel_size", 1) or 1))
+    tp_rank = _tp_rank(pc, tp_size) if worker and tp_size > 1 else 0
+
+    def planner_of(rank: int) -> kvstride.KeyPlanner:
+        namespace = kvstride.Namespace(
+            str(extra.get("model_id") or vllm_config.model_config.model),
+            cache_prefix=extra.get("cache_prefix"),
+            fingerprint=fp,
+            tp_rank=rank,
+        )
+        return kvstride.KeyPlanner(
+            groups, hash_block_size=H, scheduler_block_size=S, namespace=namespace, tp_size=tp_size, tp_rank=rank,
+            secret=secret,
+        )
+
+    planner = planner_of(tp_rank)
+    # The scheduler plans every rank's saves and loads; a worker executes its own.
+    rank_planners = [planner] + [planner_of(rank) for rank in range(1, tp_size)] if not worker else [planner]
+    num_slots = 0
+    if arena_mode:
+        store_bytes = parse_size(extra.get("store_bytes", DEFAULT_STORE_BYTES), "store_bytes")
+        num_slots = slots_for(store_bytes, arena_slot_bytes(kv_cache_config))
+    elif str(extra.get("store")) != "mooncake":
+        raise ValueError(f"unknown kvstride store {extra.get('store')!r}; use 'embedded' (the default) or 'mooncake'")
+    world_size = max(1, int(getattr(pc, "world_size", 1) or 1))
+    return ConnectorConfig(extra, groups, fp, planner, rank_planners, tp_rank, secret, arena_mode, num_slots, world_size)
+
+
+#: The embedded store's capacity per TP rank without ``store_bytes``.
+DEFAULT_STORE_BYTES = 1 << 30
+
+
+def arena_slot_bytes(kv_cache_config) -> int:
+    """An upper bound of one block's bytes on one rank, over every group: what the scheduler
+    sizes the arena's slots by (each worker's slots are at most this large)."""
+    sizes = [
+        int(g.kv_cache_spec.page_size_bytes) * len(g.layer_names) for g in kv_cache_config.kv_cache_groups
+    ]
+    return max(sizes)

@@ -1,0 +1,419 @@
+"""The connector's scheduler side: lookups, the block tables and hand-offs vLLM's scheduler
+holds, the step's save and load requests, and, on the embedded store, the arena's index
+(which slot holds which key) with the save and load plans the workers only copy.
+
+Saves read vLLM's block tables as they are in the step (``kv_connector_block_state``), where
+a block that left a sliding window is already the null block: a save that lags behind never
+reads a freed block. Mamba ``align`` state is stored only from vLLM's boundary-state
+hand-offs (``kv_connector_block_state.boundary_state_offloads`` each step, and
+``register_finished_partial_tail`` at a request's end, whose blocks vLLM keeps until
+``finished_sending``), never read positionally from a block table vLLM mutates in place.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any, Dict, List, Optional, Tuple
+
+from kvstride.arena.index import SlotIndex
+from kvstride.engine import LoadRequest, OffloadEngine, SaveRequest
+from kvstride.vllm.config import ConnectorConfig
+from kvstride.vllm.metadata import ArenaCopy, KVStrideMetadata, KVStrideWorkerMetadata
+from kvstride.vllm.stats import Outcomes
+
+__all__ = ["SchedulerSide", "ABANDON_AFTER_STEPS"]
+
+log = logging.getLogger("kvstride.vllm")
+
+#: Scheduler steps after which an arena save job that no rank reported is abandoned. Every
+#: rank reports in the step that ran the copy (vLLM returns it with that step's output), so
+#: this bounds only jobs whose report was lost.
+ABANDON_AFTER_STEPS = 64
+
+
+
+@dataclass
+class _SaveJob:
+    """A step's saves, out on the workers; ``keys`` are what every rank puts (the arena's
+    slots are reserved for them)."""
+
+    keys: List[str]
+    owners: Dict[str, List[str]]
+    saves: List[SaveRequest]
+    states: list
+    ends: List[int]
+    failed: set  # req ids whose save is already known to be incomplete
+    step: int  # the scheduler step that planned it
+    ok: int = 0  # ranks that wrote every key
+    bad: int = 0  # ranks that failed
+    deferred: int = 0  # ranks that left some keys to a later step
+
+
+class SchedulerSide(Outcomes):
+    """The scheduler process's half of :class:`kvstride.vllm.KVStrideConnector`."""
+
+    def __init__(self, config: ConnectorConfig, store) -> None:
+        super().__init__()
+        self.planner = config.planner
+        self.rank_planners = config.rank_planners  # each TP rank's keys (one for the arena)
+        self.world_size = config.world_size
+        self.store = store
+        # Lookups (and, for the arena, save plans) need only the planner and the index or
+        # store: no KV tensors on this side.
+        self.index: Optional[SlotIndex] = SlotIndex(config.num_slots) if config.arena_mode else None
+        self.engine = OffloadEngine(
+            self.planner, None, self.index if self.index is not None else store, name="kvstride-sched"
+        )
+        self._load_pins: Dict[str, List[int]] = {}  # req id -> slots pinned for its load
+        self._jobs: Dict[int, _SaveJob] = {}  # save jobs the workers have not all reported
+        self._load_hits: Dict[str, int] = {}  # req id -> hit tokens of its load in flight
+        self._next_job = 0
+        self._step = 0  # scheduler steps (build_connector_meta calls)
+        self._requests: Dict[str, Any] = {}  # req id -> vLLM's Request, while it runs
+        self._local: Dict[str, int] = {}
+        self._pending_loads: Dict[str, LoadRequest] = {}
+        self._loading: set = set()  # req ids whose asynchronous load is in flight
+        self._failed_allocs: set = set()  # claimed hits whose load could not even be recorded
+        self._recompute: set = set()  # req ids whose load failed: no hit is claimed for them again
+        self._finished_tails: Dict[str, tuple] = {}  # req id -> (hashes, tables, hand-offs)
+        self.matched_tokens = 0  # external tokens reported to vLLM
+        self._mooncake_reset_logged = False
+
+    def shutdown(self) -> None:
+        engine, self.engine = self.engine, None
+        if engine is not None:
+            try:
+                engine.shutdown()
+            except Exception as err:
+                log.warning("kvstride engine shutdown failed: %r", err)
+
+    def reset_cache(self) -> Optional[bool]:
+        """``reset_prefix_cache(reset_connector=True)``. The embedded store forgets every block
+        (False while a load or a save is in flight; vLLM's caller may try again). A Mooncake
+        store is shared with other engines and one of them does not clear it: False."""
+        if self.index is not None:
+            return self.index.clear()
+        if self.store is not None:
+            if not self._mooncake_reset_logged:
+                self._mooncake_reset_logged = True
+                log.warning(
+                    "kvstride: reset_connector cannot clear the Mooncake store, other engines share it; "
+                    "to drop what it holds use another cache_prefix or restart its holder (logged once)"
+                )
+            return False
+        return None
+
+    def get_num_new_matched_tokens(self, request, num_computed_tokens: int):
+        try:
+            rid = request.request_id
+            if self.engine is None or rid in self._recompute:
+                return 0, False
+            # The core keeps the last token for vLLM to compute (SEMANTICS §6).
+            hit = self.engine.lookup([(rid, list(request.block_hashes), int(request.num_tokens))])[rid]
+            ext = max(0, int(hit) - int(num_computed_tokens))
+            if ext:
+                self._local[rid] = int(num_computed_tokens)
+                self.matched_tokens += ext
+            # Asynchronous: vLLM parks the request until the load is reported, so every
+            # group's state (Mamba included) is in place before its first forward.
+            return ext, ext > 0
+        except Exception as err:  # never into vLLM's step: a miss
+            log.warning("kvstride lookup failed, treating as a miss: %r", err)
+            return 0, False
+
+    def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
+        try:
+            rid = request.request_id
+            local = self._local.pop(rid, 0)
+            if num_external_tokens <= 0:
+                return
+            block_ids = [list(ids) for ids in blocks.get_block_ids()]
+            self._pending_loads[rid] = LoadRequest(
+                rid, list(request.block_hashes), block_ids, hit_tokens=local + int(num_external_tokens), local_tokens=local
+            )
+            self._loading.add(rid)
+        except Exception as err:  # the request waits for a load: report it failed, never hang
+            log.warning("kvstride update_state_after_alloc failed, the hit is recomputed: %r", err)
+            self._failed_allocs.add(request.request_id)
+            self._loading.add(request.request_id)
+
+    def update_connector_output(self, connector_output) -> None:
+        try:
+            self._loads_reported(connector_output.finished_recving, connector_output.failed_recving)
+            # vLLM asks again after a failed load; a store that failed once is not trusted for
+            # the same request (the retry could fail the same way, forever).
+            self._recompute.update(connector_output.failed_recving or ())
+            meta = getattr(connector_output, "kv_connector_worker_meta", None)
+            if isinstance(meta, KVStrideWorkerMetadata):
+                if self.index is not None:
+                    self.index.drop_slots(meta.corrupt_slots)
+                self._saves_reported(meta.saves)
+        except Exception as err:  # never into vLLM's scheduler; stale jobs are abandoned later
+            self._log_once("connector-output", "kvstride update_connector_output failed: %r", err)
+            self.count("scheduler_errors")
+
+    def on_new_request(self, request) -> None:
+        self._requests[request.request_id] = request
+
+    def build_connector_meta(self, scheduler_output) -> KVStrideMetadata:
+        """The step's plans: every load and save of both stores is planned here, from the
+        hashes and block tables vLLM's scheduler holds; the workers only copy and call the
+        store with what the metadata names (O(blocks that move), never a hash or a table)."""
+        self._step += 1
+        self._abandon_stale_jobs()
+        meta = KVStrideMetadata(failed_loads=sorted(self._failed_allocs))
+        loads = list(self._pending_loads.values())
+        self._pending_loads.clear()
+        self._failed_allocs.clear()
+        for load in loads:  # before the saves: the arena pins the loads' slots before any eviction
+            self._plan_load(load, meta)
+        try:
+            saves = self._build_saves(scheduler_output, meta)
+            if saves:
+                self._plan_saves(saves, meta)
+        except Exception as err:  # saves are best effort; loads must go out
+            log.warning("kvstride: this step's saves were skipped: %r", err)
+            meta.arena_saves, meta.store_saves = {}, {}
+            # Finished requests held for their tail are released all the same.
+            meta.finished_tails = sorted(set(meta.finished_tails) | set(self._finished_tails))
+            self._finished_tails.clear()
+        return meta
+
+    # ---- loads --------------------------------------------------------------------------------
+
+    def _plan_load(self, load: LoadRequest, meta: KVStrideMetadata) -> None:
+        """The load's gets, per rank (the arena: slots every rank copies from). A load that
+        cannot be planned is reported failed by the workers, and vLLM recomputes it."""
+        rid = load.req_id
+        try:
+            plans = [
+                planner.plan_load(load.block_hashes, load.block_ids, load.hit_tokens, local_tokens=load.local_tokens)
+                for planner in self.rank_planners
+            ]
+            missing = next((plan for plan in plans if plan.missing), None)
+            if missing is not None:
+                self.engine.count("load_missing_destination")
+                self._fail_load(rid, meta)
+                return
+            self._load_hits[rid] = load.hit_tokens
+            if self.index is None:
+                meta.store_loads[rid] = {rank: list(plan.gets) for rank, plan in enumerate(plans)}
+                return
+            gets = plans[0].gets
+            slots = self.index.pin([key for key, _, _ in gets])
+            if slots is None:
+                self.engine.count("load_not_ready")
+                self._fail_load(rid, meta)
+                return
+            self._load_pins[rid] = slots
+            meta.arena_loads[rid] = ArenaCopy(slots, [g for _, g, _ in gets], [b for _, _, b in gets])
+        except Exception as err:
+            log.warning("kvstride: load of %s could not be planned, it is recomputed: %r", rid, err)
+            self._fail_load(rid, meta)
+
+    def _fail_load(self, rid: str, meta: KVStrideMetadata) -> None:
+        self._load_hits.pop(rid, None)
+        meta.failed_loads.append(rid)
+
+    def _loads_reported(self, done, failed) -> None:
+        """Loads the workers finished: the arena's slots are released, and a loaded prefix is
+        in the store, so the request's saves start after it."""
+        failed = set(failed or ())
+        for rid in done or ():
+            self._loading.discard(rid)
+            if self.index is not None:
+                self.index.unpin(self._load_pins.pop(rid, ()))
+            hit = self._load_hits.pop(rid, None)
+            if hit is None or rid in failed or rid not in self._requests:
+                continue
+            (state,) = self.engine.request_states([rid])
+            done_to = self.planner.saved_offset_after_load(hit)
+            state.offset = max(state.offset, done_to)
+            state.planned = max(state.planned, done_to)
+
+    # ---- saves --------------------------------------------------------------------------------
+
+    def _plan_saves(self, saves: List[SaveRequest], meta: KVStrideMetadata) -> None:
+        """Plan the step's saves with every rank's planner from the requests' offsets, minus
+        what the store (or the arena's index) has; the arena gives each new key a slot."""
+        states = self.engine.request_states([save.req_id for save in saves])
+        start = [state.planned for state in states]
+        known = self.index.known if self.index is not None else self.store.exists
+        per_rank, owners, failed, ends = [], {}, set(), []
+        for planner in self.rank_planners:
+            for state, planned in zip(states, start):  # every rank plans from the same offsets
+                state.planned = planned
+            entries, rank_owners, ends, rank_failed = self.engine.plan_saves(saves, states, known, planner)
+            per_rank.append(entries)
+            failed |= rank_failed
+            for key, rids in rank_owners.items():
+                owners.setdefault(key, rids)
+        job = _SaveJob([], owners, saves, states, ends, failed, self._step)
+        if self.index is not None:
+            entries = per_rank[0]
+            slots = self.index.reserve([key for key, _, _ in entries])
+            kept = [(e, s) for e, s in zip(entries, slots) if s is not None]
+            if len(kept) < len(entries):
+                self.engine.count("put_full", len(entries) - len(kept))
+                failed.update(rid for (key, _, _), s in zip(entries, slots) if s is None for rid in owners[key])
+            job.keys = [key for (key, _, _), _ in kept]
+            copy = ArenaCopy([s for _, s in kept], [e[1] for e, _ in kept], [e[2] for e, _ in kept])
+            empty = not kept
+        else:
+            job.keys = [key for entries in per_rank for key, _, _ in entries]
+            empty = not job.keys
+        for save, state, planned, end in zip(saves, states, start, ends):
+            # A failed save plans its missing blocks again next step.
+            state.planned = planned if save.req_id in failed else max(planned, end)
+        if empty:
+            self._finish_job(job)
+            return
+        job_id = self._next_job = self._next_job + 1
+        self._jobs[job_id] = job
+        if self.index is not None:
+            meta.arena_saves[job_id] = copy
+        else:
+            meta.store_saves[job_id] = dict(enumerate(per_rank))
+
+    def _abandon_stale_jobs(self) -> None:
+        """Save jobs not every rank reported within ``ABANDON_AFTER_STEPS`` steps (a report
+        lost to a worker's error): their arena slots are freed and their saves count as
+        failed (planned again from the confirmed offset)."""
+        oldest = self._step - ABANDON_AFTER_STEPS
+        for job_id in [j for j, job in self._jobs.items() if job.step < oldest]:
+            job = self._jobs.pop(job_id)
+            if self.index is not None:
+                self.index.abandon(job.keys)
+            self.engine.count("save_jobs_abandoned")
+            job.failed.update(rid for key in job.keys for rid in job.owners[key])
+            self._finish_job(job)
+
+    def _saves_reported(self, reports: Dict[int, List[int]]) -> None:
+        """Per save job, how many ranks wrote it and how many failed: once every rank
+        reported, the arena's keys become readable (or are dropped) and the offsets move."""
+        for job_id, (ok, bad, deferred) in reports.items():
+            job = self._jobs.get(job_id)
+            if job is None:
+                continue
+            job.ok += ok
+            job.bad += bad
+            job.deferred += deferred
+            if job.ok + job.bad + job.deferred < self.world_size:
+                continue
+            del self._jobs[job_id]
+            if job.bad:
+                job.failed.update(rid for key in job.keys for rid in job.owners[key])
+            if self.index is not None and job.bad:
+                self.index.abandon(job.keys)
+                self.engine.count("put_error", len(job.keys))
+            elif self.index is not None:
+                self.index.confirm(job.keys)
+                self.engine.count("put_ok", len(job.keys))
+            self._finish_job(job)
+
+    def _finish_job(self, job: "_SaveJob") -> None:
+        for save, state, end in zip(job.saves, job.states, job.ends):
+            if job.deferred and save.req_id not in job.failed:
+                state.planned = state.offset  # a rank left some to later (counted there): planned again
+            elif save.req_id in job.failed:
+                state.planned = state.offset
+                self.engine.count("saves_failed")
+            else:
+                state.offset = max(state.offset, end)
+                self.engine.count("saves_ok")
+
+    def _build_saves(self, so, meta: KVStrideMetadata) -> List[SaveRequest]:
+        """The step's save requests: what each scheduled request computed, vLLM's boundary
+        hand-offs, and the tails of requests that finished."""
+        saves: List[SaveRequest] = []
+        for rid in so.preempted_req_ids or ():  # resumed, its saves start over (stored keys are skipped)
+            self.engine.finish_request(rid)
+        computed: Dict[str, int] = {new.req_id: int(new.num_computed_tokens) for new in so.scheduled_new_reqs}
+        cached = so.scheduled_cached_reqs
+        computed.update((rid, int(n)) for rid, n in zip(cached.req_ids, cached.num_computed_tokens))
+        # vLLM's block tables as they are now: a sliding-window or chunked-local block that left
+        # the window is the null block (0) there, freed and maybe another request's, so no plan
+        # reads it, however far a failed save left the saved offset behind.
+        block_state = getattr(so, "kv_connector_block_state", None)
+        if block_state is None:
+            self._log_once("no-block-state", "kvstride: vLLM offers no kv_connector_block_state; nothing is saved")
+            return saves
+        handoffs = self._boundary_handoffs(so)
+        for rid, n in so.num_scheduled_tokens.items():
+            request = self._requests.get(rid)
+            tables = block_state.get_block_ids(rid)
+            if request is None or rid not in computed or tables is None or not request.block_hashes:
+                continue
+            hashes = request.block_hashes  # planned in this call: the core reads only what the plan needs
+            by_boundary = handoffs.pop(rid, [])
+            first = by_boundary[0] if by_boundary else ()
+            saves.append(SaveRequest(rid, hashes, tables, computed[rid] + int(n), handoffs=first))
+            # vLLM may hand off several boundaries in one step; the planner takes one per save.
+            for entries in by_boundary[1:]:
+                saves.append(SaveRequest(rid, hashes, tables, computed[rid] + int(n), handoffs=entries))
+        # Hand-offs of requests not scheduled this step: their own saves, on vLLM's block tables.
+        for rid, by_boundary in handoffs.items():
+            request = self._requests.get(rid)
+            tables = block_state.get_block_ids(rid)
+            if request is None or tables is None or not request.block_hashes:
+                continue
+            hashes = request.block_hashes  # planned in this call: the core reads only what the plan needs
+            for entries in by_boundary:
+                saves.append(SaveRequest(rid, hashes, tables, int(entries[0][2]), handoffs=entries))
+        for rid, entries in self._finished_tails.items():
+            st_hashes, tables = entries[0], entries[1]
+            for group in self._split_by_boundary(entries[2]):
+                saves.append(SaveRequest(rid, st_hashes, tables, int(group[0][2]), handoffs=group))
+            meta.finished_tails.append(rid)
+        self._finished_tails.clear()
+        return saves
+
+    @staticmethod
+    def _split_by_boundary(entries) -> List[List[Tuple[int, int, int]]]:
+        """vLLM's ``(group, block_id, boundary)`` hand-offs, one list per boundary (in order)."""
+        out: Dict[int, List[Tuple[int, int, int]]] = {}
+        for g, b, boundary in entries:
+            out.setdefault(int(boundary), []).append((int(g), int(b), int(boundary)))
+        return [out[k] for k in sorted(out)]
+
+    def _boundary_handoffs(self, so) -> Dict[str, List[List[Tuple[int, int, int]]]]:
+        """This step's Mamba ``align`` boundary-state hand-offs (vLLM's
+        ``kv_connector_block_state.boundary_state_offloads``), per request and boundary. Those of
+        requests finished or preempted in this step are dropped: their blocks may be reused."""
+        block_state = getattr(so, "kv_connector_block_state", None)
+        offloads = getattr(block_state, "boundary_state_offloads", None) or {}
+        gone = set(so.preempted_req_ids or ()) | set(getattr(so, "finished_req_ids", ()) or ())
+        out = {}
+        for rid, entries in offloads.items():
+            if rid in gone or rid not in self._requests or not entries:
+                continue
+            out[rid] = self._split_by_boundary(entries)
+        return out
+
+    def register_finished_partial_tail(self, request, block_ids, partial_tail_offloads) -> bool:
+        """A finished request's boundary states (vLLM keeps its blocks while this returns True,
+        until the worker's ``get_finished`` names the request)."""
+        try:
+            rid = request.request_id
+            hashes = list(request.block_hashes)
+            if rid not in self._requests or not partial_tail_offloads or not hashes:
+                return False
+            self._finished_tails[rid] = (hashes, [list(ids) for ids in block_ids], list(partial_tail_offloads))
+            return True
+        except Exception as err:
+            log.warning("kvstride register_finished_partial_tail failed: %r", err)
+            return False
+
+    def request_finished_all_groups(self, request, block_ids) -> Tuple[bool, Optional[dict]]:
+        """Saves copy their blocks out within the step that computed them, so a finished
+        request's blocks are free at once, but while its load is in flight: vLLM frees them
+        when the worker reports the load (``finished_recving``)."""
+        rid = request.request_id
+        self._local.pop(rid, None)
+        self._requests.pop(rid, None)
+        self._recompute.discard(rid)
+        self.engine.finish_request(rid)
+        if self._pending_loads.pop(rid, None) is not None:  # never sent: nothing writes them
+            self._loading.discard(rid)
+        return rid in self._loading, None
