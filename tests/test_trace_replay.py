@@ -247,3 +247,20 @@ def test_read_trace_rejects_other_formats(tmp_path):
     bad.write_text('{"input_length": 3}\n')
     with pytest.raises(ValueError, match="not a Mooncake trace line"):
         read_trace(str(bad))
+
+
+def test_cli_table_and_plot(tmp_path):
+    pytest.importorskip("matplotlib")
+    model = tmp_path / "toy.json"
+    model.write_text(json.dumps(TOY))
+    trace = tmp_path / "trace.jsonl"
+    trace.write_text("\n".join(json.dumps({"input_length": 1500, "hash_ids": [1, 2, 3]}) for _ in range(3)) + "\n")
+    png = tmp_path / "hit.png"
+    out = io.StringIO()
+    with redirect_stdout(out):
+        rc = main(["simulate", "--trace", str(trace), "--model", str(model), "--capacity", "1K",
+                   "--capacity", "1G", "--quiet", "--plot", str(png)])
+    assert rc == 0
+    text = out.getvalue()
+    assert "kvstride" in text and "hit rate" in text and "hits every group could not serve: 0" in text
+    assert png.stat().st_size > 1000
