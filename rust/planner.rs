@@ -386,6 +386,18 @@ impl KeyPlanner {
         (saved_offset / self.s * self.s).saturating_sub(self.s)
     }
 
+    /// The base a save from `saved_offset` is planned from, given how many block hashes the
+    /// caller holds (`None`: unknown, the inputs are then read whole): [`save_base`]
+    /// (Self::save_base) when the hashes reach it, else 0 (a short input is read whole and the
+    /// plan words the error).
+    pub fn save_base_for(&self, saved_offset: u64, hashes_held: Option<usize>) -> u64 {
+        let base = self.save_base(saved_offset);
+        match hashes_held {
+            Some(held) if held >= self.rows_at(base).0 => base,
+            _ => 0,
+        }
+    }
+
     /// Where token `base` falls in the inputs of a plan: the hash index, and the row of each
     /// group's block table.
     pub fn rows_at(&self, base: u64) -> (usize, Vec<usize>) {

@@ -678,3 +678,15 @@ fn keyed_keys_differ_keep_shape_and_agree_between_lookup_and_plans() {
     assert_eq!(keyed.longest_hit(&hashes, 33, &|k| present.contains(k)), 32);
     assert_eq!(plain.longest_hit(&hashes, 33, &|k| present.contains(k)), 0);
 }
+
+#[test]
+fn save_base_for_falls_back_to_zero_when_the_hashes_stop_short() {
+    let p = fa4_mamba16(); // H = 4, s = 16
+    assert_eq!(p.save_base(64), 48);
+    assert_eq!(p.rows_at(48).0, 12);
+    assert_eq!(p.save_base_for(64, Some(12)), 48);
+    assert_eq!(p.save_base_for(64, Some(40)), 48);
+    assert_eq!(p.save_base_for(64, Some(11)), 0, "fewer hashes than the base: read whole");
+    assert_eq!(p.save_base_for(64, None), 0, "unknown length: read whole");
+    assert_eq!(p.save_base_for(0, Some(0)), 0);
+}

@@ -99,6 +99,52 @@ pub unsafe fn xxh3_regions(addr: &[u64], len: &[u64]) -> Vec<u64> {
     }
 }
 
+/// Region arrays of one batch must have the same length (one entry per region).
+pub fn check_same_lengths(arrays: &[&[u64]]) -> crate::Result<()> {
+    if arrays.windows(2).any(|w| w[0].len() != w[1].len()) {
+        return Err(crate::Error::new("region arrays must have the same length"));
+    }
+    Ok(())
+}
+
+/// One part of a store value: the address and length of bytes the caller keeps alive.
+pub type Part = (usize, usize);
+
+/// The digest of one value given as parts (their bytes in order): its XXH3-64 (seed 0), or with
+/// a secret its keyed payload tag (`Secret::payload_tag`). Empty parts are skipped (their
+/// address is never read).
+///
+/// # Safety
+/// Every non-empty part must be readable at its address for its length during the call.
+pub unsafe fn value_digest(parts: &[Part], secret: Option<&crate::secret::Secret>) -> u64 {
+    let slices: Vec<&[u8]> = parts
+        .iter()
+        .filter(|p| p.1 > 0)
+        // SAFETY: the caller's contract above.
+        .map(|&(addr, len)| unsafe { std::slice::from_raw_parts(addr as *const u8, len) })
+        .collect();
+    match secret {
+        Some(secret) => secret.payload_tag(&slices),
+        None => crate::payload::xxh3_64_parts(&slices),
+    }
+}
+
+/// [`value_digest`] of each value, spread over rayon's threads (one value per task) once the
+/// batch holds [`PARALLEL_BYTES`] or more.
+///
+/// # Safety
+/// As [`value_digest`], for every value.
+pub unsafe fn value_digests(values: &[Vec<Part>], secret: Option<&crate::secret::Secret>) -> Vec<u64> {
+    let total: u64 = values.iter().flatten().map(|p| p.1 as u64).sum();
+    // SAFETY: the caller's contract above.
+    let one = |parts: &Vec<Part>| unsafe { value_digest(parts, secret) };
+    if total >= PARALLEL_BYTES && values.len() > 1 {
+        values.par_iter().with_max_len(1).map(one).collect()
+    } else {
+        values.iter().map(one).collect()
+    }
+}
+
 /// Rows of a batch: row `r` is the regions `row_start[r]..row_start[r + 1]`, copied from
 /// `src` to `dst`; its value (whose digest is kept or checked) is the bytes of those regions
 /// in order: what a store holds for one block, wherever its pieces lie.
@@ -113,6 +159,30 @@ pub struct Rows<'a> {
 }
 
 impl Rows<'_> {
+    /// The batch's shape: one `src`, `dst` and `len` entry per region, and `row_start` running
+    /// from 0 to the number of regions without going back (one more entry than rows).
+    pub fn check(&self) -> crate::Result<()> {
+        check_same_lengths(&[self.src, self.dst, self.len])?;
+        let n = self.len.len() as u64;
+        let starts_ok = self.row_start.first() == Some(&0)
+            && self.row_start.last() == Some(&n)
+            && self.row_start.windows(2).all(|w| w[0] <= w[1]);
+        if !starts_ok {
+            return Err(crate::Error::new(
+                "row_start must run from 0 to the number of regions, one more entry than rows",
+            ));
+        }
+        Ok(())
+    }
+
+    /// A load's `expected` digests: one per row.
+    pub fn check_expected(&self, expected: &[u64]) -> crate::Result<()> {
+        if expected.len() + 1 != self.row_start.len() {
+            return Err(crate::Error::new("expected needs one digest per row"));
+        }
+        Ok(())
+    }
+
     fn rows(&self) -> usize {
         self.row_start.len().saturating_sub(1)
     }
@@ -333,6 +403,45 @@ mod tests {
         let ok = unsafe { load_rows(&load, &digests) };
         assert!(ok.iter().all(|&x| x));
         assert_eq!(&out[5..5 + rows_n * 2 * piece], &slots[..]);
+    }
+
+    #[test]
+    fn batch_shapes_are_checked() {
+        let rows = |len: &'static [u64], row_start: &'static [u64]| Rows { src: &[1, 2], dst: &[3, 4], len, row_start, secret: None };
+        assert_eq!(rows(&[1, 1], &[0, 1, 2]).check(), Ok(()));
+        assert_eq!(rows(&[1, 1], &[0, 2]).check(), Ok(()));
+        assert_eq!(rows(&[1, 1], &[0, 0, 2]).check(), Ok(()), "an empty row");
+        assert_eq!(rows(&[1], &[0, 1]).check().unwrap_err().0, "region arrays must have the same length");
+        let starts = "row_start must run from 0 to the number of regions, one more entry than rows";
+        for bad in [&[][..], &[0], &[1, 2], &[0, 1], &[0, 2, 1, 2], &[0, 3]] {
+            assert_eq!(rows(&[1, 1], bad).check().unwrap_err().0, starts, "{bad:?}");
+        }
+        let ok = rows(&[1, 1], &[0, 1, 2]);
+        assert_eq!(ok.check_expected(&[5, 6]), Ok(()));
+        assert_eq!(ok.check_expected(&[5]).unwrap_err().0, "expected needs one digest per row");
+        assert_eq!(check_same_lengths(&[&[1], &[2]]), Ok(()));
+        assert!(check_same_lengths(&[&[1], &[2, 3]]).is_err());
+    }
+
+    #[test]
+    fn value_digests_hash_each_value_s_parts_in_order() {
+        let secret = crate::secret::Secret::new(&[6u8; 32]).unwrap();
+        let data: Vec<u8> = (0..(3usize << 20)).map(|i| (i * 11 % 251) as u8).collect();
+        let at = |from: usize, len: usize| -> Part { (data.as_ptr() as usize + from, len) };
+        // An empty part at a null address is never read.
+        let small = vec![vec![at(5, 100), (0, 0), at(1000, 7)], vec![], vec![at(0, 1)]];
+        let big = vec![vec![at(0, 1 << 20), at(2 << 20, 1 << 20)], vec![at(17, 999_999)]];
+        for values in [&small, &big] {
+            let concat: Vec<Vec<u8>> = values
+                .iter()
+                .map(|v| v.iter().filter(|p| p.1 > 0).flat_map(|&(a, n)| data[a - data.as_ptr() as usize..][..n].to_vec()).collect())
+                .collect();
+            let want: Vec<u64> = concat.iter().map(|c| xxhash_rust::xxh3::xxh3_64(c)).collect();
+            assert_eq!(unsafe { value_digests(values, None) }, want);
+            let tags: Vec<u64> = concat.iter().map(|c| secret.payload_tag(&[c])).collect();
+            assert_eq!(unsafe { value_digests(values, Some(&secret)) }, tags);
+            assert_eq!(unsafe { value_digest(&values[0], None) }, want[0]);
+        }
     }
 
     #[test]

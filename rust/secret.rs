@@ -94,6 +94,24 @@ impl Secret {
         out.copy_from_slice(&h.finalize().as_bytes()[..16]);
         out
     }
+
+    /// [`header_mac`](Self::header_mac) of each value `(keys[i], lengths[i], tags[i])`.
+    pub fn header_macs<K: AsRef<[u8]>>(
+        &self,
+        keys: &[K],
+        lengths: &[u64],
+        tags: &[u64],
+    ) -> crate::Result<Vec<[u8; 16]>> {
+        if keys.len() != lengths.len() || keys.len() != tags.len() {
+            return Err(crate::Error::new("keys, lengths and tags must have the same length"));
+        }
+        Ok(keys
+            .iter()
+            .zip(lengths)
+            .zip(tags)
+            .map(|((k, &n), &t)| self.header_mac(k.as_ref(), n, t))
+            .collect())
+    }
 }
 
 #[cfg(test)]
@@ -121,6 +139,17 @@ mod tests {
         assert_ne!(a.payload_tag(&[b"abc"]), b.payload_tag(&[b"abc"]));
         assert_ne!(a.header_mac(b"k", 3, 1), a.header_mac(b"j", 3, 1));
         assert_ne!(a.header_mac(b"k", 3, 1), a.header_mac(b"k", 3, 2));
+    }
+
+    #[test]
+    fn header_macs_is_header_mac_of_each_value_and_checks_lengths() {
+        let s = Secret::new(&[4u8; 32]).unwrap();
+        let macs = s.header_macs(&["a", "bc"], &[1, 2], &[7, 8]).unwrap();
+        assert_eq!(macs, vec![s.header_mac(b"a", 1, 7), s.header_mac(b"bc", 2, 8)]);
+        assert!(s.header_macs::<&str>(&[], &[], &[]).unwrap().is_empty());
+        let err = s.header_macs(&["a"], &[1, 2], &[7]).unwrap_err();
+        assert_eq!(err.0, "keys, lengths and tags must have the same length");
+        assert!(s.header_macs(&["a"], &[1], &[]).is_err());
     }
 
     #[test]
