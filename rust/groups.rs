@@ -40,6 +40,11 @@ impl GroupKind {
         })
     }
 
+    /// `prefix_cacheable` when a group does not say: every kind but the circular buffer.
+    pub fn default_prefix_cacheable(self) -> bool {
+        self != GroupKind::CircularBuffer
+    }
+
     pub fn name(self) -> &'static str {
         match self {
             GroupKind::FullAttention => "full_attention",
@@ -144,7 +149,7 @@ impl GroupSpec {
             block_size,
             window,
             mamba_mode,
-            prefix_cacheable: prefix_cacheable.unwrap_or(kind != GroupKind::CircularBuffer),
+            prefix_cacheable: prefix_cacheable.unwrap_or(kind.default_prefix_cacheable()),
             num_kv_heads,
         })
     }

@@ -16,7 +16,7 @@ pub mod secret;
 mod planner_tests;
 
 #[cfg(feature = "python")]
-mod python;
+mod py;
 
 pub use error::{Error, Result};
 pub use groups::{resolve_block_sizes, GroupKind, GroupSpec, MambaMode};
