@@ -594,3 +594,32 @@ def test_finished_tail_in_a_step_without_forward_is_saved_and_frees_its_blocks(m
         kv_vllm.drop_shared_stores()
     assert hits == [TAIL], hits
     assert harness.mismatches(got, plain_run(name, _tail_prompt, **FINE_HITS)) == []
+
+
+# ---- one store call per scheduling pass (issue 16) -------------------------------------------
+
+
+def test_requests_arriving_together_are_looked_up_in_one_store_call(model_dirs):
+    """vLLM asks for one request's hit at a time; a scheduling pass asks the store once, for
+    every request still waiting (those that arrived together share the first call)."""
+    from vllm.inputs import TokensPrompt
+
+    llm = LLM(**harness.engine_kwargs(harness.MODELS["llama"], model_dirs["llama"], connector={"store": "embedded"}))
+    try:
+        sched, _ = _connectors(llm)
+        calls = []
+        exists = sched.engine.store.exists
+
+        def counted(keys):
+            calls.append(len(keys))
+            return exists(keys)
+
+        sched.engine.store.exists = counted
+        looked_up = sched.counters["lookups"]
+        prompts = [TokensPrompt(prompt_token_ids=[(7 * i + k) % 500 + 3 for i in range(100)]) for k in range(4)]
+        llm.generate(prompts, harness.sampling(2), use_tqdm=False)
+        looked_up = sched.counters["lookups"] - looked_up
+        assert looked_up >= 4 and len(calls) < looked_up, (looked_up, calls)
+    finally:
+        harness.close(llm)
+        kv_vllm.drop_shared_stores()

@@ -71,6 +71,8 @@ class SchedulerSide(Outcomes):
         self._next_job = 0
         self._step = 0  # scheduler steps (build_connector_meta calls)
         self._requests: Dict[str, Any] = {}  # req id -> vLLM's Request, while it runs
+        self._waiting: Dict[str, Any] = {}  # requests not allocated yet: each lookup covers them all
+        self._step_hits: Dict[str, int] = {}  # this step's lookups (the store does not change within a step)
         self._local: Dict[str, int] = {}
         self._pending_loads: Dict[str, LoadRequest] = {}
         self._loading: set = set()  # req ids whose asynchronous load is in flight
@@ -109,8 +111,9 @@ class SchedulerSide(Outcomes):
             rid = request.request_id
             if self.engine is None or rid in self._recompute:
                 return 0, False
-            # The core keeps the last token for vLLM to compute (SEMANTICS §6).
-            hit = self.engine.lookup([(rid, list(request.block_hashes), int(request.num_tokens))])[rid]
+            hit = self._step_hits.get(rid)
+            if hit is None:
+                hit = self._look_up(request)
             ext = max(0, int(hit) - int(num_computed_tokens))
             if ext:
                 self._local[rid] = int(num_computed_tokens)
@@ -122,9 +125,23 @@ class SchedulerSide(Outcomes):
             log.warning("kvstride lookup failed, treating as a miss: %r", err)
             return 0, False
 
+    def _look_up(self, request) -> int:
+        """The request's hit, from one existence call that also covers every other request
+        still waiting to be allocated: vLLM asks one request at a time within a scheduling
+        pass, and the pass asks the store once."""
+        batch = {request.request_id: request}
+        batch.update(
+            (rid, r) for rid, r in self._waiting.items() if rid not in self._recompute and rid not in self._step_hits
+        )
+        # The core keeps the last token for vLLM to compute (SEMANTICS §6).
+        hits = self.engine.lookup([(rid, list(r.block_hashes), int(r.num_tokens)) for rid, r in batch.items()])
+        self._step_hits.update(hits)
+        return hits[request.request_id]
+
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
         try:
             rid = request.request_id
+            self._waiting.pop(rid, None)
             local = self._local.pop(rid, 0)
             if num_external_tokens <= 0:
                 return
@@ -155,12 +172,14 @@ class SchedulerSide(Outcomes):
 
     def on_new_request(self, request) -> None:
         self._requests[request.request_id] = request
+        self._waiting[request.request_id] = request
 
     def build_connector_meta(self, scheduler_output) -> KVStrideMetadata:
         """The step's plans: every load and save of both stores is planned here, from the
         hashes and block tables vLLM's scheduler holds; the workers only copy and call the
         store with what the metadata names (O(blocks that move), never a hash or a table)."""
         self._step += 1
+        self._step_hits.clear()  # the next scheduling pass asks the store again
         self._abandon_stale_jobs()
         meta = KVStrideMetadata(failed_loads=sorted(self._failed_allocs))
         loads = list(self._pending_loads.values())
@@ -412,6 +431,8 @@ class SchedulerSide(Outcomes):
         rid = request.request_id
         self._local.pop(rid, None)
         self._requests.pop(rid, None)
+        self._waiting.pop(rid, None)
+        self._step_hits.pop(rid, None)
         self._recompute.discard(rid)
         self.engine.finish_request(rid)
         if self._pending_loads.pop(rid, None) is not None:  # never sent: nothing writes them

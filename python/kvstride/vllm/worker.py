@@ -121,8 +121,8 @@ class WorkerSide(Outcomes):
         self.engine.submit_planned(gets={rid: gets.get(self.tp_rank, []) for rid, gets in meta.store_loads.items()})
 
     def wait_for_save(self, meta: Optional[KVStrideMetadata]) -> None:
-        """Copy this step's blocks to save out of the KV cache (the engine plans and stages
-        them before ``submit`` returns); their store puts run on the save lane."""
+        """Copy this step's blocks to save out of the KV cache (into arena slots, or staged
+        before ``submit_planned`` returns); store puts run on the save lane."""
         if isinstance(meta, KVStrideMetadata):
             self._run_saves(meta)
 
