@@ -14,6 +14,7 @@ use pyo3::types::{
 };
 use std::collections::HashSet;
 
+/// A core error is a `ValueError` with the core's message.
 pub(super) fn value_error(err: crate::Error) -> PyErr {
     PyValueError::new_err(err.0)
 }
@@ -226,6 +227,7 @@ pub(super) fn type_name(obj: &Bound<'_, PyAny>) -> String {
 
 // ---- CBOR values ------------------------------------------------------------------------
 
+/// A Python value as a CBOR value (extra keys, layout descriptions, `cbor_encode`).
 pub(super) fn to_value(obj: &Bound<'_, PyAny>, depth: usize) -> PyResult<Value> {
     if depth > 64 {
         return Err(PyValueError::new_err(
@@ -294,6 +296,7 @@ fn holds_map(value: &Value) -> bool {
     }
 }
 
+/// `extra_keys`: one entry per full block, None or a tuple of CBOR values (no dicts).
 pub(super) fn extract_extra_keys(obj: &Bound<'_, PyAny>) -> PyResult<Vec<ExtraKeys>> {
     let seq = obj.cast::<PySequence>().map_err(|_| {
         PyTypeError::new_err(
@@ -326,10 +329,14 @@ pub(super) fn extract_extra_keys(obj: &Bound<'_, PyAny>) -> PyResult<Vec<ExtraKe
     Ok(out)
 }
 
+// ---- block hashes, groups, block tables, hand-offs, exists sets ------------------------------
+
+/// Block hashes out: a list of bytes.
 pub(super) fn hashes_to_py<'py>(py: Python<'py>, hashes: &[BlockHash]) -> Bound<'py, PyList> {
     PyList::new(py, hashes.iter().map(|h| PyBytes::new(py, h.as_ref()))).expect("a list of bytes")
 }
 
+/// `groups`: a sequence (not a str) of `GroupSpec`.
 pub(super) fn extract_groups(groups: &Bound<'_, PyAny>) -> PyResult<Vec<crate::groups::GroupSpec>> {
     if groups.is_instance_of::<PyString>() {
         return Err(PyTypeError::new_err(
@@ -354,6 +361,7 @@ pub(super) fn extract_groups(groups: &Bound<'_, PyAny>) -> PyResult<Vec<crate::g
         .collect()
 }
 
+/// A transfer as Python sees it: `(key, group, block_id)`.
 pub(super) type PyTransfer = (String, usize, u64);
 
 pub(super) fn transfers(list: Vec<Transfer>) -> Vec<PyTransfer> {
@@ -362,6 +370,7 @@ pub(super) fn transfers(list: Vec<Transfer>) -> Vec<PyTransfer> {
         .collect()
 }
 
+/// `block_hashes`: an iterable (not one bytes/str) of bytes, borrowed.
 pub(super) fn extract_hashes<'py>(obj: &Bound<'py, PyAny>) -> PyResult<Vec<Bound<'py, PyBytes>>> {
     if obj.is_instance_of::<PyBytes>() || obj.is_instance_of::<PyString>() {
         return Err(PyTypeError::new_err(
@@ -431,6 +440,7 @@ pub(super) fn extract_hashes_from<'py>(obj: &Bound<'py, PyAny>, from: usize) -> 
         .collect()
 }
 
+/// `exists` / `present`: an iterable (not one str) of key strings; None is empty.
 pub(super) fn extract_exists(obj: Option<&Bound<'_, PyAny>>) -> PyResult<HashSet<String>> {
     let Some(obj) = obj else {
         return Ok(HashSet::new());
