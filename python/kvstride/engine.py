@@ -34,6 +34,7 @@ same is lost (``tails_dropped``). Loads stage in the pool's load share, which sa
 from __future__ import annotations
 
 import collections
+import functools
 import logging
 import queue
 import threading
@@ -368,21 +369,8 @@ class OffloadEngine:
                 return step
             states = [self._requests.setdefault(save.req_id, _RequestState()) for save in saves]
         job = _SaveJob(step, saves, states, [0] * len(saves))
-        try:
-            if self.direct:  # the copy into the store is the whole save
-                self._save_direct(job)
-            else:
-                self._stage_saves(job)
-        except Exception as err:  # never into the driver: fail these saves, keep going
-            self._log_once("save-bug", "save job of step %d failed: %r", step, err)
-            self.count("save_job_errors")
-            with self._lock:
-                job.failed.update(save.req_id for save in saves)
-        with self._lock:
-            job.staging = False
-            finished = not job.in_flight
-        if finished:
-            self._finish_saves(job)
+        # The copy into a direct store is the whole save.
+        self._run_save_job(job, self._save_direct if self.direct else self._stage_saves, [s.req_id for s in saves])
         return step
 
     def submit_planned(
@@ -415,26 +403,34 @@ class OffloadEngine:
                 self._load_queue.put(_LoadJob(step, loads, [None] * len(loads), after, planned=gets))
         for job_id, entries in puts.items():
             job = _SaveJob(step, [], [], [], job_id=job_id)
-            try:
-                entries = [entry for entry in entries if self._save_block_in_layout(f"job {job_id}", entry)]
-                if len(entries) < len(puts[job_id]):
-                    job.failed.add(job_id)
-                job.owners = {key: [job_id] for key, _, _ in entries}
-                if self.direct:
-                    self._put_direct(job, entries)
-                else:
-                    self._stage_entries(job, entries)
-            except Exception as err:  # never into the driver: fail the job, keep going
-                self._log_once("save-bug", "save job of step %d failed: %r", step, err)
-                self.count("save_job_errors")
-                with self._lock:
-                    job.failed.add(job_id)
-            with self._lock:
-                job.staging = False
-                finished = not job.in_flight
-            if finished:
-                self._finish_saves(job)
+            self._run_save_job(job, functools.partial(self._execute_planned, entries=entries), [job_id])
         return step
+
+    def _execute_planned(self, job: _SaveJob, entries: List[Tuple[str, int, int]]) -> None:
+        kept = [entry for entry in entries if self._save_block_in_layout(f"job {job.job_id}", entry)]
+        if len(kept) < len(entries):
+            job.failed.add(job.job_id)
+        job.owners = {key: [job.job_id] for key, _, _ in kept}
+        if self.direct:
+            self._put_direct(job, kept)
+        else:
+            self._stage_entries(job, kept)
+
+    def _run_save_job(self, job: _SaveJob, execute, owners_on_error: List) -> None:
+        """``execute(job)`` (copies out of the KV cache, puts queued), then the job finishes
+        here or with its last put. An error fails ``owners_on_error``, never the driver."""
+        try:
+            execute(job)
+        except Exception as err:  # never into the driver: fail these saves, keep going
+            self._log_once("save-bug", "save job of step %d failed: %r", job.step, err)
+            self.count("save_job_errors")
+            with self._lock:
+                job.failed.update(owners_on_error)
+        with self._lock:
+            job.staging = False
+            finished = not job.in_flight
+        if finished:
+            self._finish_saves(job)
 
     def get_finished(self) -> Finished:
         with self._lock:
