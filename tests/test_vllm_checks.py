@@ -246,3 +246,12 @@ def test_spawned_process_inherits_the_verdict_and_hashes_the_same(seed0, fresh_n
     assert problems == hash_reproducibility_problems(cfg) == []
     for algo, theirs in hashes.items():
         assert theirs == block_hashes(algo), algo
+
+
+def test_unauthenticated_store_warning_once_per_process(warnings_seen, monkeypatch):
+    """A shared store without a secret: one warning however many connectors (scheduler and
+    workers) the process builds, naming the secret_file setting."""
+    monkeypatch.setattr(vllm_checks, "_warned_unauthenticated", False)
+    for _ in range(3):
+        vllm_checks.warn_unauthenticated_store()
+    assert len(warnings_seen) == 1 and "secret_file" in warnings_seen[0], warnings_seen

@@ -43,6 +43,7 @@ from typing import List, Optional
 
 __all__ = [
     "check_reproducible_hashes",
+    "warn_unauthenticated_store",
     "hash_reproducibility_problems",
     "hash_portability_warning",
     "PICKLE_HASH_ALGOS",
@@ -65,6 +66,14 @@ _FIX = (
 
 _warned = False
 _warned_lock = threading.Lock()
+_warned_unauthenticated = False
+
+UNAUTHENTICATED = (
+    "kvstride: store 'mooncake' without a secret_file: values are unauthenticated and keys are a "
+    "public function of the tokens, so any client of the Mooncake master can write KV this engine "
+    "loads and probe which prompts were sent; set kv_connector_extra_config['secret_file'] "
+    "(`kvstride store serve --secret-file PATH` creates one; README: Trust model)"
+)
 
 
 def _algo(vllm_config) -> str:
@@ -139,3 +148,14 @@ def check_reproducible_hashes(vllm_config, shared: bool) -> None:
             return
         _warned = True
     log.warning("%s", warning)
+
+
+def warn_unauthenticated_store() -> None:
+    """Log, once per process (not once per connector: a scheduler and every worker build one),
+    that a shared store without the deployment secret is unauthenticated."""
+    global _warned_unauthenticated
+    with _warned_lock:
+        if _warned_unauthenticated:
+            return
+        _warned_unauthenticated = True
+    log.warning("%s", UNAUTHENTICATED)

@@ -29,10 +29,9 @@ Configuration that cannot work raises ``ValueError`` at construction.
 
 from __future__ import annotations
 
-import logging
 from typing import Optional, Tuple, Union
 
-from kvstride.vllm.checks import check_reproducible_hashes
+from kvstride.vllm.checks import check_reproducible_hashes, warn_unauthenticated_store
 from kvstride.vllm.config import resolve_config
 from kvstride.vllm.metadata import KVStrideMetadata, KVStrideWorkerMetadata
 from kvstride.vllm.scheduler import SchedulerSide
@@ -49,9 +48,6 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 __all__ = ["KVStrideConnector"]
 
-log = logging.getLogger("kvstride.vllm")
-
-
 class KVStrideConnector(KVConnectorBase_V1, SupportsHMA):
     """A vLLM KV connector over :class:`kvstride.engine.OffloadEngine` (see the module
     docstring). ``side`` is the scheduler's or the worker's half; each vLLM call goes to it."""
@@ -67,12 +63,7 @@ class KVStrideConnector(KVConnectorBase_V1, SupportsHMA):
             # Engines share what they store: their block hashes must agree.
             check_reproducible_hashes(vllm_config, shared=True)
             if config.secret is None:
-                log.warning(
-                    "kvstride: store 'mooncake' without a secret_file: values are unauthenticated and keys are a "
-                    "public function of the tokens, so any client of the Mooncake master can write KV this engine "
-                    "loads and probe which prompts were sent; set kv_connector_extra_config['secret_file'] "
-                    "(`kvstride store serve --secret-file PATH` creates one; README: Trust model)"
-                )
+                warn_unauthenticated_store()
             store = make_store(config.extra, bytes.fromhex(config.fingerprint), config.secret)
         self.side: Union[SchedulerSide, WorkerSide]
         if role == KVConnectorRole.SCHEDULER:
