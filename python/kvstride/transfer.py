@@ -31,6 +31,7 @@ from typing import Optional, Sequence
 import numpy as np
 import torch
 
+from .copies import CopyRun, copy_rows
 from .layout import KVLayout
 
 __all__ = ["StagingPool", "StagedBatch", "Transfer", "Fence", "staging_bytes_for", "LOAD_SHARE", "ALIGNMENT"]
@@ -353,24 +354,14 @@ class Transfer:
         """The batch's entries (those with ``ok[i]``) as rows for the Rust copies: per piece
         the KV address, the staging address and the size, entry by entry (``row_start``), and
         the entry index of each row."""
-        kv, pool, length, counts, order = [], [], [], [], []
+        runs = []
         for run in batch.runs:
             keep = np.arange(len(run.rows)) if ok is None else np.flatnonzero([ok[i] for i in run.rows])
-            if not len(keep):
-                continue
-            ids = run.ids.numpy()[keep].astype(np.uint64)
             base, stride, size = self._pieces[run.group]
             staged = np.uint64(self.pool.ptr) + np.array(run.piece_offs, dtype=np.uint64)
-            kv.append((base[None, :] + ids[:, None] * stride[None, :]).ravel())
-            pool.append((staged[None, :] + keep.astype(np.uint64)[:, None] * size[None, :]).ravel())
-            length.append(np.broadcast_to(size, (len(keep), len(size))).ravel())
-            counts.append(np.full(len(keep), len(size), dtype=np.uint64))
-            order.append(np.asarray(run.rows, dtype=np.int64)[keep])
-        if not kv:
-            return None
-        kv, pool, length = (np.ascontiguousarray(np.concatenate(x), dtype=np.uint64) for x in (kv, pool, length))
-        row_start = np.concatenate([[0], np.cumsum(np.concatenate(counts))]).astype(np.uint64)
-        return kv, pool, length, row_start, np.concatenate(order)
+            order = np.asarray(run.rows, dtype=np.int64)[keep]
+            runs.append(CopyRun(base, stride, run.ids.numpy()[keep], staged, size, keep, size, order))
+        return copy_rows(runs)
 
     def _cpu_copy(self, batch: StagedBatch, to_pool: bool, ok=None, digests: bool = False, expected=None) -> Fence:
         """Both directions on CPU: raw region copies in the Rust core, GIL released. Not

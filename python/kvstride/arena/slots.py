@@ -18,6 +18,7 @@ import torch
 
 from kvstride import _core
 from kvstride.arena.index import ALIGN
+from kvstride.copies import CopyRun, copy_rows
 from kvstride.layout import KVLayout
 
 __all__ = ["HostArena", "VALUE_GROUP"]
@@ -122,22 +123,18 @@ class HostArena:
         """The entries as rows for the Rust copy: (KV addresses, slot addresses, lengths) of
         every piece, where each row's pieces start (``row_start``), and ``order``: the entry
         index of each row (rows go group by group). A row's pieces fill its slot in order."""
-        kv, arena, length, counts, order = [], [], [], [], []
+        runs = []
         for g in np.unique(groups):
             (index,) = np.nonzero(groups == g)
             copy = self._groups[g]
-            ids = block_ids[index].astype(np.uint64)
-            rows = self.ptr + slots[index].astype(np.uint64) * np.uint64(self.slot_bytes)
-            kv.append((copy.base[None, :] + ids[:, None] * copy.stride[None, :]).ravel())
-            arena.append((rows[:, None] + copy.slot_offset[None, :]).ravel())
-            length.append(np.broadcast_to(copy.size, (len(ids), len(copy.size))).ravel())
-            counts.append(np.full(len(ids), len(copy.size), dtype=np.uint64))
-            order.append(index)
-        order = np.concatenate(order) if order else np.zeros(0, dtype=np.int64)
-        row_start = np.concatenate([[0], np.cumsum(np.concatenate(counts))]) if counts else np.zeros(1)
-        flat = (np.concatenate(x) if x else np.zeros(0, dtype=np.uint64) for x in (kv, arena, length))
-        kv, arena, length = (np.ascontiguousarray(x, dtype=np.uint64) for x in flat)
-        return kv, arena, length, row_start.astype(np.uint64), order
+            slot_stride = np.full(len(copy.size), self.slot_bytes, dtype=np.uint64)
+            slot_base = np.uint64(self.ptr) + copy.slot_offset
+            runs.append(CopyRun(copy.base, copy.stride, block_ids[index], slot_base, slot_stride, slots[index], copy.size, index))
+        rows = copy_rows(runs)
+        if rows is None:
+            empty = np.zeros(0, dtype=np.uint64)
+            return empty, empty, empty, np.zeros(1, dtype=np.uint64), np.zeros(0, dtype=np.int64)
+        return rows
 
     def _digest(self, slots: np.ndarray, groups: np.ndarray) -> np.ndarray:
         addrs = np.ascontiguousarray(self.ptr + slots.astype(np.uint64) * np.uint64(self.slot_bytes))
