@@ -22,14 +22,14 @@ at registration with a ``ValueError`` naming the tensor, its shape and strides.
 
 from __future__ import annotations
 
-import hashlib
 import itertools
-import struct
 from dataclasses import dataclass
 from typing import Mapping, Optional, Sequence, Union
 
 import numpy as np
 import torch
+
+from . import _core
 
 __all__ = ["Piece", "GroupLayout", "KVLayout", "MAX_PIECES_PER_TENSOR"]
 
@@ -260,16 +260,25 @@ class KVLayout:
         return self._fp
 
     def _fingerprint(self, kv_caches, groups) -> bytes:
-        h = hashlib.sha256(b"kvstride-layout-v1")
-        for g in self.groups:
-            h.update(struct.pack("<QQ", g.group, g.block_bytes))
-            for p in g.pieces:
-                h.update(struct.pack("<Q", p.size))
-            for name in g.layers:
-                value = kv_caches[name]
-                for t in [value] if isinstance(value, torch.Tensor) else value:
-                    h.update(f"{t.dtype}{tuple(t.shape[1:]) if t.dim() else ()}".encode())
-        return h.digest()[:8]
+        """The core's ``layout_fingerprint`` (the one notion every store key and header uses)
+        of the per-block geometry: groups, block bytes, piece sizes, tensor dtypes and shapes."""
+        description = {
+            "kvstride-layout": 1,
+            "groups": [
+                {
+                    "group": g.group,
+                    "block_bytes": g.block_bytes,
+                    "pieces": [p.size for p in g.pieces],
+                    "tensors": [
+                        f"{t.dtype}{tuple(t.shape[1:]) if t.dim() else ()}"
+                        for name in g.layers
+                        for t in ([kv_caches[name]] if isinstance(kv_caches[name], torch.Tensor) else kv_caches[name])
+                    ],
+                }
+                for g in self.groups
+            ],
+        }
+        return bytes.fromhex(_core.layout_fingerprint(description))
 
     def describe(self) -> str:
         lines = []
