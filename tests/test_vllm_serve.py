@@ -518,16 +518,22 @@ def test_tensor_parallel_mooncake_within_across_engines_and_tp_sizes(
     assert a["hits"] == SCENARIO_HITS, a
     assert _mismatches(_outputs(a["outputs"]), plain_tp2) == [], "engine A (TP=2, Mooncake)"
     (b,) = _run_engines(workdir, env, [dict(job, backend="mp", tp=2, phases=["p2"])], "tp2-mooncake-b")
-    assert b["hits"] == {"p2": harness.PROMPT_TOKENS - 32}, b
+    # P2 whole, when every put of A reached the store; when some did not (see below: the
+    # master's RPCs fail as well as gets while the two pinned ranks hold both cores), at least
+    # the prefix A loaded P2 from.
+    a_failed = a["kvstride"].get("vllm:kvstride_failures", 0)
+    expected = {harness.PROMPT_TOKENS - 32} | ({harness.SHARED_TOKENS} if a_failed else set())
+    assert b["hits"]["p2"] in expected, (a_failed, b)
     assert _mismatches(_outputs(b["outputs"]), plain_tp2) == [], "engine B (TP=2, a new process)"
     env1 = _env(base_env, "mooncake", store_serve, VLLM_ENABLE_V1_MULTIPROCESSING="0")
     (c,) = _run_engines(workdir, env1, [dict(job, backend="uni", phases=["p2"])], "tp1-mooncake-c")
     assert _mismatches(_outputs(c["outputs"]), reference[TP_MODEL]) == [], f"engine C (TP=1): hits {c['hits']}"
-    # On this 2-core CPU machine the two TP workers are pinned one per core and their OpenMP
-    # threads starve Mooncake's transfer threads: a get can outlast Mooncake's 10 s read lease
-    # (-707, counted as get_missing) and its request is recomputed (seen in about one run of two,
-    # load_seconds ~80). That costs hits, never bytes: the outputs above are bit-identical. So
-    # the TP=2 engines must load some blocks, and the TP=1 engine must not fail at all.
+    # On this 2-core CPU machine the two TP workers are pinned one per core and Mooncake's
+    # threads (theirs, the master's, the holder's) starve: a get can outlast Mooncake's 10 s read
+    # lease (-707, counted as get_missing) and master RPCs fail (-901, put/get "unavailable"), so
+    # requests are recomputed and puts lost (seen in about one run of two, load_seconds ~80).
+    # That costs hits, never bytes: the outputs above are bit-identical. So the TP=2 engines must
+    # load some blocks, and the TP=1 engine must not fail at all.
     for r in (a, b):
         assert r["kvstride"].get("vllm:kvstride_bytes_loaded", 0) > 0, r["kvstride"]
     assert c["kvstride"].get("vllm:kvstride_failures", 0) == 0, c["kvstride"]
