@@ -26,11 +26,10 @@ __all__ = ["SchedulerSide", "ABANDON_AFTER_STEPS"]
 
 log = logging.getLogger("kvstride.vllm")
 
-#: Scheduler steps after which an arena save job that no rank reported is abandoned. Every
-#: rank reports in the step that ran the copy (vLLM returns it with that step's output), so
-#: this bounds only jobs whose report was lost.
+#: Scheduler steps after which a save job not every rank reported is abandoned (planned
+#: again). An arena job is reported in the step that ran its copy, a Mooncake job once its
+#: puts finished on the save lane; this bounds jobs whose report was lost or very late.
 ABANDON_AFTER_STEPS = 64
-
 
 
 @dataclass
