@@ -814,3 +814,18 @@ def test_planned_job_with_a_failed_put_reports_the_job_failed(rig_factory):
     done = rig.engine.get_finished()
     assert done.jobs_done == {1: "ok", 2: "failed", 3: "ok"}
     assert rig.engine.counters["save_bad_block"] == 1
+
+
+def test_planning_only_engine_starts_no_threads_and_moves_no_blocks(rig_factory):
+    """A scheduler's engine (no KV tensors) plans and looks up: it starts no lane threads, and
+    a transfer asked of it is a clear error rather than a job that never runs."""
+    rig = rig_factory("fa")
+    before = set(threading.enumerate())
+    planning = OffloadEngine(rig.planner, None, rig.store, name="test-planning-threads")
+    try:
+        assert set(threading.enumerate()) == before
+        with pytest.raises(ValueError, match="no KV layout"):
+            planning.submit_planned(gets={"r": [("k", 0, 1)]})
+    finally:
+        assert planning.shutdown(timeout=5)
+        assert planning.wait_idle(timeout=5)

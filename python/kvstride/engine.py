@@ -212,9 +212,11 @@ class OffloadEngine:
         self._releases = 0  # staged batches released so far: a waiter sees room come back
         self._step = 0
         self._closed = False
+        # A planning-only engine (no KV tensors: a scheduler) runs no transfers, so no lanes.
         self._workers = [
             threading.Thread(target=self._run, args=(q,), name=f"{name}-{lane}", daemon=True)
             for lane, q in (("load", self._load_queue), ("save", self._save_queue))
+            if self.layout is not None
         ]
         for worker in self._workers:
             worker.start()
@@ -349,6 +351,7 @@ class OffloadEngine:
         stream, and write only their destination blocks. After ``shutdown`` the work is
         refused: loads are reported failed, saves not done."""
         saves, loads = list(saves), list(loads)
+        self._refuse_if_planning_only()
         with self._lock:  # the closed check and the enqueue are one step: no job is lost
             self._step += 1
             step = self._step
@@ -363,8 +366,7 @@ class OffloadEngine:
                 return step
             if loads:
                 states = [self._requests.setdefault(load.req_id, _RequestState()) for load in loads]
-                after = None if self.transfer is None else self.transfer.current_stream_event()
-                self._load_queue.put(_LoadJob(step, loads, states, after))
+                self._load_queue.put(_LoadJob(step, loads, states, self._caller_stream_event()))
             if not saves:
                 return step
             states = [self._requests.setdefault(save.req_id, _RequestState()) for save in saves]
@@ -387,6 +389,7 @@ class OffloadEngine:
         request id to the entries of its load, run on the load lane and reported like
         ``submit``'s loads. Returns the step number."""
         puts, gets = dict(puts or {}), dict(gets or {})
+        self._refuse_if_planning_only()
         with self._lock:
             self._step += 1
             step = self._step
@@ -398,13 +401,23 @@ class OffloadEngine:
                 self._finished.jobs_done.update((job_id, "failed") for job_id in puts)
                 return step
             if gets:
-                after = None if self.transfer is None else self.transfer.current_stream_event()
                 loads = [LoadRequest(req_id, (), (), 0) for req_id in gets]
-                self._load_queue.put(_LoadJob(step, loads, [None] * len(loads), after, planned=gets))
+                self._load_queue.put(_LoadJob(step, loads, [None] * len(loads), self._caller_stream_event(), planned=gets))
         for job_id, entries in puts.items():
             job = _SaveJob(step, [], [], [], job_id=job_id)
             self._run_save_job(job, functools.partial(self._execute_planned, entries=entries), [job_id])
         return step
+
+    def _refuse_if_planning_only(self) -> None:
+        if self.layout is None:
+            raise ValueError("this engine has no KV layout (transfer=None): it plans and looks up, it moves no blocks")
+
+    def _caller_stream_event(self):
+        """(CUDA) An event on the caller's current stream that a load's writes wait for, so
+        they land after the work still queued on their destination blocks; None on CPU."""
+        if self.transfer is not None:
+            return self.transfer.current_stream_event()
+        return self.layout.current_stream_event()
 
     def _execute_planned(self, job: _SaveJob, entries: List[Tuple[str, int, int]]) -> None:
         kept = [entry for entry in entries if self._save_block_in_layout(f"job {job.job_id}", entry)]
@@ -456,8 +469,9 @@ class OffloadEngine:
             already = self._closed
             if not already:
                 self._closed = True
-                self._load_queue.put(_STOP)
-                self._save_queue.put(_STOP)
+                if self._workers:  # a planning-only engine has no lanes to stop
+                    self._load_queue.put(_STOP)
+                    self._save_queue.put(_STOP)
                 self._pool_freed.notify_all()
             deadline = None if timeout is None else time.monotonic() + timeout
             while self._lookups_in_flight:
@@ -783,6 +797,8 @@ class OffloadEngine:
         written; on CUDA after the event ``after``), as runs of (entries, statuses)."""
         if self.direct:
             if entries:
+                if after is not None:
+                    self.layout.wait_event(after)
                 keys, groups, block_ids = zip(*entries)
                 get_start = time.perf_counter()
                 statuses = self._statuses(self.store.load_blocks(keys, groups, block_ids), len(keys))

@@ -280,6 +280,19 @@ class KVLayout:
         }
         return bytes.fromhex(_core.layout_fingerprint(description))
 
+    def current_stream_event(self):
+        """(CUDA) An event recorded on the calling thread's current stream, None on CPU: copies
+        another thread runs later wait for it (``wait_event``) to follow the work queued here."""
+        if self.device is None or self.device.type != "cuda":
+            return None
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(self.device))
+        return event
+
+    def wait_event(self, event) -> None:
+        """(CUDA) Order the calling thread's current stream after ``event`` (no host sync)."""
+        torch.cuda.current_stream(self.device).wait_event(event)
+
     def describe(self) -> str:
         lines = []
         for g in self.groups:
