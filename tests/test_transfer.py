@@ -10,7 +10,7 @@ import kvdata
 from kvstride import _core
 from kvstride.engine import LoadRequest, OffloadEngine, SaveRequest
 from kvstride.layout import KVLayout
-from kvstride.stores import Status
+from kvstride.stores import EmbeddedStore, Status
 from kvstride.transfer import StagingPool, Transfer
 
 cuda_only = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -268,12 +268,18 @@ class BytesStore:
         return [Status.OK] * len(keys)
 
 
-def _cuda_engine():
+def _cuda_engine(direct: bool = False):
+    """A CUDA KV cache's engine over a store reached through staging, or (``direct``) over the
+    embedded store's pinned slots, which the engine copies blocks into and out of itself."""
     kv = torch.randn(80, 2, 16, 4, 32, device="cuda", dtype=torch.float16)
     layout = KVLayout({"attn": kv}, [["attn"]])
     planner = _core.KeyPlanner([_core.GroupSpec("full_attention", 16)], hash_block_size=16, scheduler_block_size=16, namespace="cuda")
-    store = BytesStore()
-    engine = OffloadEngine(planner, Transfer(layout, StagingPool(4 << 20)), store)
+    if direct:
+        store = EmbeddedStore(64 << 20)
+        engine = OffloadEngine(planner, layout, store)
+    else:
+        store = BytesStore()
+        engine = OffloadEngine(planner, Transfer(layout, StagingPool(4 << 20)), store)
     hashes = _core.BlockHasher("sha256_cbor", seed="0").hash_blocks(list(range(1, 32 * 16 + 1)), 16)
     return kv, planner, store, engine, hashes
 
@@ -303,10 +309,12 @@ def test_cuda_save_is_read_before_the_caller_rewrites_its_blocks():
 
 
 @cuda_only
-def test_cuda_load_writes_after_the_callers_pending_work():
-    """B4: a load's scatter runs on the load lane's thread, but after the work the caller's
-    stream had queued when it submitted the load (here: writes to the destination blocks)."""
-    kv, planner, store, engine, hashes = _cuda_engine()
+@pytest.mark.parametrize("direct", [False, True], ids=["staged", "direct"])
+def test_cuda_load_writes_after_the_callers_pending_work(direct):
+    """B4: a load's scatter (or, into a direct store's slots, its copy) runs on the load lane's
+    thread, but after the work the caller's stream had queued when it submitted the load (here:
+    writes to the destination blocks)."""
+    kv, planner, store, engine, hashes = _cuda_engine(direct)
     table = list(range(1, 33))
     engine.submit(saves=[SaveRequest("r", hashes, [table], 32 * 16)])
     assert engine.wait_idle(60) and not engine.get_finished().saves_failed
