@@ -35,9 +35,12 @@ import time
 from types import SimpleNamespace
 
 import kvstride
+from kvstride.arena import ArenaPlacement
+from kvstride.stores.placement import StorePlacement
 from kvstride.vllm.config import ConnectorConfig
 from kvstride.vllm.metadata import JOB_REPORTS, KVStrideWorkerMetadata
 from kvstride.vllm.scheduler import SchedulerSide
+from kvstride.vllm.store_registry import StoreChoice
 
 BLOCK = 16
 WINDOW = 1024
@@ -110,9 +113,8 @@ def config(store_kind: str) -> ConnectorConfig:
     S, H = kvstride.resolve_block_sizes(groups)
     planner = kvstride.KeyPlanner(groups, hash_block_size=H, scheduler_block_size=S,
                                   namespace=kvstride.Namespace("bench", fingerprint="00" * 8))
-    arena = store_kind == "embedded"
-    return ConnectorConfig({"store": store_kind}, groups, "00" * 8, planner, [planner], 0, None, arena,
-                           num_slots=1 << 16 if arena else 0, world_size=1)
+    store = StoreChoice(store_kind, 1, num_slots=1 << 16 if store_kind == "embedded" else 0)
+    return ConnectorConfig({"store": store_kind}, groups, "00" * 8, planner, [planner], 0, None, store, world_size=1)
 
 
 def run_steps(side: SchedulerSide, work: Workload, steps: int) -> float:
@@ -126,7 +128,7 @@ def run_steps(side: SchedulerSide, work: Workload, steps: int) -> float:
         start = time.perf_counter()
         meta = side.build_connector_meta(output)
         pickle.dumps(meta, protocol=pickle.HIGHEST_PROTOCOL)
-        jobs = list(meta.arena_saves) + list(meta.store_saves)
+        jobs = list(meta.saves)
         if jobs:  # every rank wrote its part
             report = KVStrideWorkerMetadata(saves={job: list(JOB_REPORTS["ok"]) for job in jobs})
             side.update_connector_output(SimpleNamespace(finished_recving=(), failed_recving=(),
@@ -136,7 +138,8 @@ def run_steps(side: SchedulerSide, work: Workload, steps: int) -> float:
 
 
 def measure(store_kind: str, store, context: int, steps: int) -> float:
-    side = SchedulerSide(config(store_kind), store)
+    cfg = config(store_kind)
+    side = SchedulerSide(cfg, ArenaPlacement(cfg.store.num_slots) if store is None else StorePlacement(store))
     try:
         work = Workload(context)
         side.on_new_request(work.request)

@@ -88,7 +88,7 @@ def _run_with_connector(model_dirs, name, store, **observe):
 
         out = harness.scenario(llm, after=hit_of)  # ends with every vLLM block back (assert_idle)
         counters = dict(worker.counters)
-        if sched.index is not None:  # the embedded store: no save or load job left in flight
+        if hasattr(sched.placement, "index"):  # the embedded store: no save or load job left in flight
             assert llm.reset_prefix_cache(reset_connector=True), "reset_prefix_cache(reset_connector=True) refused"
         return out, hits, counters
     finally:
@@ -293,7 +293,7 @@ def test_store_full_keeps_serving(model_dirs, plain_outputs):
         sched, worker = _connectors(llm)
         got = harness.scenario(llm)
         counters = {**sched.counters, **worker.counters}
-        evictions = sched.index.evictions if sched.index is not None else 0
+        evictions = sched.placement.index.evictions if hasattr(sched.placement, "index") else 0
     finally:
         harness.close(llm)
         kv_vllm.drop_shared_stores()
@@ -315,12 +315,12 @@ def test_reset_connector_empties_the_embedded_store(model_dirs):
         p1, _ = harness.prompts()
         harness.generate(llm, p1)
         harness.drain_and_forget(llm, 1)
-        assert len(sched.index) > 0
+        assert len(sched.placement.index) > 0
         deadline = time.monotonic() + 60
         while not llm.reset_prefix_cache(reset_connector=True):  # refused while saves are in flight
             assert time.monotonic() < deadline, "reset_connector never succeeded"
             llm.llm_engine.step()
-        assert len(sched.index) == 0
+        assert len(sched.placement.index) == 0
         before = sched.matched_tokens
         harness.generate(llm, p1)
         assert sched.matched_tokens == before  # nothing left to hit
@@ -386,7 +386,7 @@ def test_window_blocks_after_failed_saves_are_stored_as_computed(model_dirs, mon
     llm = LLM(**kwargs)
     try:
         sched, worker = _connectors(llm)
-        layout = worker.arena.layout
+        layout = worker.store.arena.layout
         groups = range(len(layout.groups))
         recorder = harness.LiveBlockRecorder(llm, layout, groups)
         engine = llm.llm_engine
@@ -406,7 +406,7 @@ def test_window_blocks_after_failed_saves_are_stored_as_computed(model_dirs, mon
         assert calls["failed"] > 0 and calls["ok"] > 0, calls
         assert recorder.freed_seen > 0  # vLLM did free window blocks
         keys = harness.block_keys(sched.planner, request.block_hashes, len(layout.groups), request.num_computed_tokens)
-        stored = [(key, sched.index.slot(key)) for key in sched.index.keys()]
+        stored = [(key, sched.placement.index.slot(key)) for key in sched.placement.index.keys()]
         assert stored, "nothing was stored after the saves came back"
         # Read every stored value back through the arena (digest checked) into a free block.
         scratch = 1
@@ -414,7 +414,7 @@ def test_window_blocks_after_failed_saves_are_stored_as_computed(model_dirs, mon
         for key, slot in stored:
             assert key in keys, f"stored key {key} is no block of the request"
             g, i = keys[key]
-            ok = worker.arena.load([slot], [g], [scratch])
+            ok = worker.store.arena.load([slot], [g], [scratch])
             assert ok.all(), f"slot {slot} of {key} does not verify"
             want = recorder.bytes.get((rid, g, i))
             assert want is not None, f"group {g} block {i} was stored but never seen live in vLLM"

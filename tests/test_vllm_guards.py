@@ -9,9 +9,6 @@ Needs the vLLM environment (``make test-vllm``); skipped where vLLM is not insta
 from __future__ import annotations
 
 import os
-from concurrent.futures import Future
-
-import numpy as np
 import pytest
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
@@ -22,7 +19,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole  #
 
 import kvstride.vllm as kv_vllm  # noqa: E402
 import vllm_harness as harness  # noqa: E402
-from kvstride.engine import Finished  # noqa: E402
+from kvstride.engine import Finished, OffloadEngine  # noqa: E402
+from kvstride.stores.placement import EVERY_RANK  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -46,7 +44,7 @@ class _Output:
 
     finished_recving = ()
     failed_recving = ()
-    kv_connector_worker_meta = kv_vllm.KVStrideWorkerMetadata(saves={10**9: None}, corrupt_slots=[])
+    kv_connector_worker_meta = kv_vllm.KVStrideWorkerMetadata(saves={10**9: None}, corrupt=[])
 
 
 def test_update_connector_output_never_raises(engine):
@@ -62,22 +60,19 @@ def test_stats_never_raise(engine, monkeypatch):
 
 
 def _fresh_worker(engine):
-    """A worker-side connector of the engine's configuration, sharing its arena."""
+    """A worker-side connector of the engine's configuration, on the engine's KV caches (its
+    own arena)."""
     _, worker = _connectors(engine)
     fresh = kv_vllm.KVStrideConnector(worker._vllm_config, KVConnectorRole.WORKER, worker._kv_cache_config)
-    fresh.side.arena = worker.arena
+    fresh.side.engine = OffloadEngine(fresh.side.planner, worker.engine.layout, fresh.side.store, name="test-fresh")
     return fresh
 
 
 def test_load_after_shutdown_is_recomputed(engine):
     """vLLM may still hand a step to a connector that shut down: its loads come back failed."""
-    from concurrent.futures import ThreadPoolExecutor
-
     fresh = _fresh_worker(engine)
-    fresh.side._arena_loader = ThreadPoolExecutor(1)
     fresh.shutdown()
-    copy = kv_vllm.ArenaCopy(slots=[0], groups=[0], block_ids=[1])
-    fresh.bind_connector_metadata(kv_vllm.KVStrideMetadata(arena_loads={"late": copy}))
+    fresh.bind_connector_metadata(kv_vllm.KVStrideMetadata(loads={"late": {EVERY_RANK: [(0, 0, 1)]}}))
     fresh.start_load_kv(None)
     results = fresh.get_transfer_results(set())
     fresh.clear_connector_metadata()
@@ -102,27 +97,15 @@ def test_completions_survive_an_error(engine, monkeypatch):
     """A failed load taken from the engine reaches vLLM as failed even when a later part of
     ``get_finished`` raises: never as a load that succeeded, never lost."""
     fresh = _fresh_worker(engine)
-    fresh.side.engine = _Engine()
-    future = Future()
-    future.set_exception(RuntimeError("the loader died"))
-    fresh.side._arena_inflight["other"] = (future, kv_vllm.ArenaCopy([0], [0], [1]))
+    real_engine, fresh.side.engine = fresh.side.engine, _Engine()
 
-    def broken_loads_done():
+    def broken_take_corrupt():
         raise RuntimeError("a bug after the engine's completions were taken")
-        yield  # a generator, like the real one
 
-    monkeypatch.setattr(fresh.side, "_arena_loads_done", broken_loads_done)
+    monkeypatch.setattr(fresh.side.store, "take_corrupt", broken_take_corrupt)
     results = fresh.get_transfer_results(set())
     assert "r" in results.finished_recving and "r" in results.failed_recving, results
-    fresh.side.engine = None
+    fresh.side.engine = real_engine
     fresh.shutdown()
 
 
-def test_arena_load_thread_touches_no_connector_state(engine):
-    """The loader thread only copies: what it found travels back in the future's result and is
-    counted on the step thread, so the counters and corrupt-slot list it shares cannot race."""
-    fresh = _fresh_worker(engine)
-    before = {k: repr(v) for k, v in vars(fresh.side).items()}
-    ok, seconds = fresh.side._arena_load(kv_vllm.ArenaCopy(slots=[0], groups=[0], block_ids=[1]))
-    assert isinstance(ok, np.ndarray) and seconds >= 0
-    assert {k: repr(v) for k, v in vars(fresh.side).items()} == before

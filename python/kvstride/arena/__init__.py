@@ -21,11 +21,13 @@ One copy each way: a save copies block pieces from the KV cache straight into th
 load from the slot straight into the destination blocks (raw region copies in the Rust core,
 GIL released, spread over cores for large batches; a torch path for device tensors).
 
-Split by side: :mod:`.index` (the scheduler's :class:`SlotIndex`) and :mod:`.slots` (the
-workers' :class:`HostArena`).
+Split by side: :mod:`.index` (the scheduler's :class:`SlotIndex`, and :class:`ArenaPlacement`,
+the store placement the connector's scheduler side plans through) and :mod:`.slots` (the
+workers' :class:`HostArena`, and :class:`ArenaSlots`, the store a worker's engine copies blocks
+into and out of on its lanes).
 """
 
-from kvstride.arena.index import ALIGN, SlotIndex, slots_for
-from kvstride.arena.slots import VALUE_GROUP, HostArena
+from kvstride.arena.index import ALIGN, ArenaPlacement, SlotIndex, slots_for
+from kvstride.arena.slots import VALUE_GROUP, ArenaSlots, HostArena
 
-__all__ = ["SlotIndex", "HostArena", "slots_for", "ALIGN", "VALUE_GROUP"]
+__all__ = ["SlotIndex", "ArenaPlacement", "HostArena", "ArenaSlots", "slots_for", "ALIGN", "VALUE_GROUP"]

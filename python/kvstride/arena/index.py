@@ -7,7 +7,9 @@ from __future__ import annotations
 import collections
 from typing import Dict, List, Optional, Sequence
 
-__all__ = ["SlotIndex", "slots_for", "ALIGN"]
+from kvstride.stores.placement import EVERY_RANK
+
+__all__ = ["SlotIndex", "ArenaPlacement", "slots_for", "ALIGN"]
 
 #: Slot size granularity (bytes): every slot starts on a cache line.
 ALIGN = 64
@@ -162,3 +164,51 @@ class SlotIndex:
         self._ready.clear()
         self._key_of.clear()
         return True
+
+
+class ArenaPlacement:
+    """The embedded store's placement (:mod:`kvstride.stores.placement`): the scheduler's
+    :class:`SlotIndex` gives each new key a slot and pins the slots of each load, and every
+    rank copies the same slots (the arena keys as one rank: its keys never leave this index)."""
+
+    def __init__(self, num_slots: int) -> None:
+        self.index = SlotIndex(num_slots)
+        self._load_pins: Dict[str, List[int]] = {}  # req id -> slots pinned for its load
+
+    def exists(self, keys: Sequence[str]) -> List[bool]:
+        return self.index.exists(keys)
+
+    def known(self, keys: Sequence[str]) -> List[bool]:
+        return self.index.known(keys)
+
+    def place_saves(self, per_rank):
+        (entries,) = per_rank
+        slots = self.index.reserve([key for key, _, _ in entries])
+        placed = [(slot, group, block) for (_, group, block), slot in zip(entries, slots) if slot is not None]
+        keys = [key for (key, _, _), slot in zip(entries, slots) if slot is not None]
+        refused = [key for (key, _, _), slot in zip(entries, slots) if slot is None]
+        return {EVERY_RANK: placed}, keys, refused
+
+    def saves_done(self, keys: Sequence[str], ok: bool) -> None:
+        """Written on every rank: readable; else the slots are free again."""
+        if ok:
+            self.index.confirm(keys)
+        else:
+            self.index.abandon(keys)
+
+    def place_load(self, req_id: str, per_rank):
+        (gets,) = per_rank
+        slots = self.index.pin([key for key, _, _ in gets])
+        if slots is None:  # evicted or dropped since the lookup
+            return None
+        self._load_pins[req_id] = slots
+        return {EVERY_RANK: [(slot, group, block) for slot, (_, group, block) in zip(slots, gets)]}
+
+    def load_done(self, req_id: str) -> None:
+        self.index.unpin(self._load_pins.pop(req_id, ()))
+
+    def forget_corrupt(self, slots: Sequence[int]) -> None:
+        self.index.drop_slots(slots)
+
+    def reset(self) -> bool:
+        return self.index.clear()

@@ -10,6 +10,7 @@ GIL released, spread over cores for large batches; a torch path for device tenso
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 from typing import Dict, List, Optional
 
@@ -20,8 +21,9 @@ from kvstride import _core
 from kvstride.arena.index import ALIGN
 from kvstride.copies import CopyRun, copy_rows
 from kvstride.layout import KVLayout
+from kvstride.stores.base import Status
 
-__all__ = ["HostArena", "VALUE_GROUP"]
+__all__ = ["HostArena", "ArenaSlots", "VALUE_GROUP"]
 
 #: ``HostArena.slot_group`` of a slot holding a value written through ``save_regions``.
 VALUE_GROUP = -2
@@ -279,3 +281,41 @@ class HostArena:
             _core._copy_regions(slot_addr, addr, length)
             ok[rows] = True
         return ok
+
+
+class ArenaSlots:
+    """A worker's arena as the store :class:`kvstride.engine.OffloadEngine` copies blocks into
+    and out of directly, on its lanes: the keys are the slots the scheduler's index placed
+    (``ArenaPlacement``). Slots whose value a load found corrupted are kept for the
+    scheduler's index (``take_corrupt``), which alone may free them."""
+
+    takes_digests = False
+
+    def __init__(self, num_slots: int) -> None:
+        self.num_slots = int(num_slots)
+        self.arena: Optional[HostArena] = None  # once the engine binds the KV layout
+        self._corrupt: List[int] = []
+        self._lock = threading.Lock()  # the load lane adds, the step thread takes
+
+    def bind_layout(self, layout: KVLayout) -> None:
+        self.arena = HostArena(layout, self.num_slots)
+
+    def save_blocks(self, slots, groups, block_ids) -> List[Status]:
+        self.arena.save(slots, groups, block_ids)
+        return [Status.OK] * len(slots)
+
+    def load_blocks(self, slots, groups, block_ids) -> List[Status]:
+        ok = self.arena.load(slots, groups, block_ids)
+        bad = [int(s) for s, good in zip(slots, ok) if not good]
+        if bad:
+            with self._lock:
+                self._corrupt.extend(bad)
+        return [Status.OK if good else Status.CORRUPT for good in ok]
+
+    def take_corrupt(self) -> List[int]:
+        with self._lock:
+            corrupt, self._corrupt = self._corrupt, []
+        return corrupt
+
+    def close(self) -> None:
+        """The arena's memory goes with the last reference."""

@@ -35,7 +35,8 @@ At run time nothing raises: every failure is a status, counted in ``store.counte
 logged once per (operation, status).  Construction errors (bad configuration, an unreachable
 master) raise ``ValueError`` / ``RuntimeError``.
 
-Modules: :mod:`.base` (the protocol, buffer parts, the value header), :mod:`.embedded`,
+Modules: :mod:`.base` (the protocol, buffer parts, the value header), :mod:`.placement` (where
+the vLLM connector's scheduler puts a step's keys in a store), :mod:`.embedded`,
 :mod:`.mooncake` and :mod:`.mooncake_master` (process supervision).
 """
 

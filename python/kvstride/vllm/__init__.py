@@ -6,10 +6,10 @@ sides), :mod:`.config` (vLLM's configuration read into kvstride's), :mod:`.metad
 from kvstride.engine import LoadRequest, SaveRequest
 from kvstride.vllm.config import group_specs
 from kvstride.vllm.connector import KVStrideConnector
-from kvstride.vllm.metadata import ArenaCopy, KVStrideMetadata, KVStrideWorkerMetadata
+from kvstride.vllm.metadata import KVStrideMetadata, KVStrideWorkerMetadata
 from kvstride.vllm.store_registry import drop_shared_stores, release_shared_store, shared_store
 
 __all__ = [
-    "KVStrideConnector", "KVStrideMetadata", "KVStrideWorkerMetadata", "ArenaCopy", "LoadRequest", "SaveRequest",
+    "KVStrideConnector", "KVStrideMetadata", "KVStrideWorkerMetadata", "LoadRequest", "SaveRequest",
     "group_specs", "shared_store", "release_shared_store", "drop_shared_stores",
 ]

@@ -9,11 +9,11 @@ from dataclasses import dataclass
 from typing import List, Optional
 
 import kvstride
-from kvstride.arena.index import slots_for
-from kvstride.mooncake_config import parse_size
 from kvstride.secret import load_secret
+from kvstride.vllm.store_registry import StoreChoice, choose_store
 
-__all__ = ["ConnectorConfig", "resolve_config", "group_specs", "arena_slot_bytes", "DEFAULT_STORE_BYTES"]
+__all__ = ["ConnectorConfig", "resolve_config", "group_specs"]
+
 
 def group_specs(kv_cache_config, vllm_config) -> List[kvstride.GroupSpec]:
     """One :class:`kvstride.GroupSpec` per vLLM KV-cache group, in group order."""
@@ -115,8 +115,7 @@ class ConnectorConfig:
     rank_planners: List[kvstride.KeyPlanner]  # the scheduler's, one per TP rank it plans for
     tp_rank: int
     secret: Optional[bytes]
-    arena_mode: bool  # the embedded store: the scheduler's index, the workers' arena
-    num_slots: int  # arena slots per rank (embedded store only)
+    store: StoreChoice  # which store, and what its kind decides for the rest
     world_size: int
 
 
@@ -139,12 +138,9 @@ def resolve_config(vllm_config, kv_cache_config, worker: bool) -> ConnectorConfi
     fp = _fingerprint(vllm_config, kv_cache_config, groups)
     pc = vllm_config.parallel_config
     _refuse_unsupported_parallelism(pc)
-    arena_mode = str(extra.get("store", "embedded")) == "embedded"
-    # Keys per TP rank (SEMANTICS §3). The arena's keys never leave the scheduler's index
-    # and every rank writes its own shard into the same slot, so it keys as one rank; a
-    # Mooncake store is shared by every rank, so each keys (and stripes) its own heads, and
-    # the scheduler looks up in every rank's namespace.
-    tp_size = 1 if arena_mode else max(1, int(getattr(pc, "tensor_parallel_size", 1) or 1))
+    # Keys per TP rank (SEMANTICS §3), as many ranks as the store keys apart.
+    store = choose_store(extra, kv_cache_config, max(1, int(getattr(pc, "tensor_parallel_size", 1) or 1)))
+    tp_size = store.keyed_ranks
     tp_rank = _tp_rank(pc, tp_size) if worker and tp_size > 1 else 0
 
     def planner_of(rank: int) -> kvstride.KeyPlanner:
@@ -162,24 +158,5 @@ def resolve_config(vllm_config, kv_cache_config, worker: bool) -> ConnectorConfi
     planner = planner_of(tp_rank)
     # The scheduler plans every rank's saves and loads; a worker executes its own.
     rank_planners = [planner] + [planner_of(rank) for rank in range(1, tp_size)] if not worker else [planner]
-    num_slots = 0
-    if arena_mode:
-        store_bytes = parse_size(extra.get("store_bytes", DEFAULT_STORE_BYTES), "store_bytes")
-        num_slots = slots_for(store_bytes, arena_slot_bytes(kv_cache_config))
-    elif str(extra.get("store")) != "mooncake":
-        raise ValueError(f"unknown kvstride store {extra.get('store')!r}; use 'embedded' (the default) or 'mooncake'")
     world_size = max(1, int(getattr(pc, "world_size", 1) or 1))
-    return ConnectorConfig(extra, groups, fp, planner, rank_planners, tp_rank, secret, arena_mode, num_slots, world_size)
-
-
-#: The embedded store's capacity per TP rank without ``store_bytes``.
-DEFAULT_STORE_BYTES = 1 << 30
-
-
-def arena_slot_bytes(kv_cache_config) -> int:
-    """An upper bound of one block's bytes on one rank, over every group: what the scheduler
-    sizes the arena's slots by (each worker's slots are at most this large)."""
-    sizes = [
-        int(g.kv_cache_spec.page_size_bytes) * len(g.layer_names) for g in kv_cache_config.kv_cache_groups
-    ]
-    return max(sizes)
+    return ConnectorConfig(extra, groups, fp, planner, rank_planners, tp_rank, secret, store, world_size)

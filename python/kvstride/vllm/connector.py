@@ -31,12 +31,11 @@ from __future__ import annotations
 
 from typing import Optional, Tuple, Union
 
-from kvstride.vllm.checks import check_reproducible_hashes, warn_unauthenticated_store
 from kvstride.vllm.config import resolve_config
 from kvstride.vllm.metadata import KVStrideMetadata, KVStrideWorkerMetadata
 from kvstride.vllm.scheduler import SchedulerSide
 from kvstride.vllm.stats import KVStridePromMetrics, KVStrideStats
-from kvstride.vllm.store_registry import make_store, release_shared_store
+from kvstride.vllm.store_registry import open_side_store, release_shared_store
 from kvstride.vllm.worker import WorkerSide
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
@@ -56,20 +55,15 @@ class KVStrideConnector(KVConnectorBase_V1, SupportsHMA):
         super().__init__(vllm_config, role, kv_cache_config)
         if kv_cache_config is None:
             raise ValueError("KVStrideConnector needs vLLM's kv_cache_config (vLLM >= 0.32)")
-        config = resolve_config(vllm_config, kv_cache_config, worker=role == KVConnectorRole.WORKER)
+        worker = role == KVConnectorRole.WORKER
+        config = resolve_config(vllm_config, kv_cache_config, worker=worker)
         self.fingerprint = config.fingerprint
-        store = None
-        if not config.arena_mode:
-            # Engines share what they store: their block hashes must agree.
-            check_reproducible_hashes(vllm_config, shared=True)
-            if config.secret is None:
-                warn_unauthenticated_store()
-            store = make_store(config.extra, bytes.fromhex(config.fingerprint), config.secret)
+        store, self._shared_client = open_side_store(config, vllm_config, worker)
         self.side: Union[SchedulerSide, WorkerSide]
-        if role == KVConnectorRole.SCHEDULER:
-            self.side = SchedulerSide(config, store)
-        else:
+        if worker:
             self.side = WorkerSide(config, store, vllm_config, kv_cache_config)
+        else:
+            self.side = SchedulerSide(config, store)
 
     # ---- both roles --------------------------------------------------------------------------
 
@@ -95,13 +89,12 @@ class KVStrideConnector(KVConnectorBase_V1, SupportsHMA):
         return False
 
     def shutdown(self) -> None:
-        """Stop the side's lanes and loader (waiting for what runs), then let go of the store:
-        the last connector of the process that uses it closes it."""
-        side = self.side
-        side.shutdown()
-        store, side.store = side.store, None
-        if store is not None:
-            release_shared_store(store)
+        """Stop the side's lanes (waiting for what runs), then let go of the shared store: the
+        last connector of the process that uses it closes it."""
+        self.side.shutdown()
+        client, self._shared_client = self._shared_client, None
+        if client is not None:
+            release_shared_store(client)
 
     # ---- scheduler side ------------------------------------------------------------------------
 

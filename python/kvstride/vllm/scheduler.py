@@ -1,6 +1,7 @@
 """The connector's scheduler side: lookups, the block tables and hand-offs vLLM's scheduler
-holds, the step's save and load requests, and, on the embedded store, the arena's index
-(which slot holds which key) with the save and load plans the workers only copy.
+holds, and the step's saves and loads, planned by the core and placed in the store by its
+placement (:mod:`kvstride.stores.placement`: the embedded store's slot index, or Mooncake's
+keys per rank), so that the workers only copy and call the store with what they are sent.
 
 Saves read vLLM's block tables as they are in the step (``kv_connector_block_state``), where
 a block that left a sliding window is already the null block: a save that lags behind never
@@ -16,10 +17,9 @@ import logging
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Tuple
 
-from kvstride.arena.index import SlotIndex
 from kvstride.engine import LoadRequest, OffloadEngine, SaveRequest
 from kvstride.vllm.config import ConnectorConfig
-from kvstride.vllm.metadata import ArenaCopy, KVStrideMetadata, KVStrideWorkerMetadata
+from kvstride.vllm.metadata import KVStrideMetadata, KVStrideWorkerMetadata
 from kvstride.vllm.stats import Outcomes
 
 __all__ = ["SchedulerSide", "ABANDON_AFTER_STEPS"]
@@ -32,10 +32,14 @@ log = logging.getLogger("kvstride.vllm")
 ABANDON_AFTER_STEPS = 64
 
 
+def _nothing_known(keys) -> List[bool]:
+    """Plans keep every key; what is stored is asked once for every rank's keys."""
+    return [False] * len(keys)
+
+
 @dataclass
 class _SaveJob:
-    """A step's saves, out on the workers; ``keys`` are what every rank puts (the arena's
-    slots are reserved for them)."""
+    """A step's saves, out on the workers; ``keys`` are what the placement placed."""
 
     keys: List[str]
     owners: Dict[str, List[str]]
@@ -52,19 +56,14 @@ class _SaveJob:
 class SchedulerSide(Outcomes):
     """The scheduler process's half of :class:`kvstride.vllm.KVStrideConnector`."""
 
-    def __init__(self, config: ConnectorConfig, store) -> None:
+    def __init__(self, config: ConnectorConfig, placement) -> None:
         super().__init__()
         self.planner = config.planner
         self.rank_planners = config.rank_planners  # each TP rank's keys (one for the arena)
         self.world_size = config.world_size
-        self.store = store
-        # Lookups (and, for the arena, save plans) need only the planner and the index or
-        # store: no KV tensors on this side.
-        self.index: Optional[SlotIndex] = SlotIndex(config.num_slots) if config.arena_mode else None
-        self.engine = OffloadEngine(
-            self.planner, None, self.index if self.index is not None else store, name="kvstride-sched"
-        )
-        self._load_pins: Dict[str, List[int]] = {}  # req id -> slots pinned for its load
+        self.placement = placement  # kvstride.stores.placement: where keys go in the store
+        # Lookups and plans need only the planner and the placement: no KV tensors here.
+        self.engine = OffloadEngine(self.planner, None, placement, name="kvstride-sched")
         self._jobs: Dict[int, _SaveJob] = {}  # save jobs the workers have not all reported
         self._load_hits: Dict[str, int] = {}  # req id -> hit tokens of its load in flight
         self._next_job = 0
@@ -79,31 +78,15 @@ class SchedulerSide(Outcomes):
         self._recompute: set = set()  # req ids whose load failed: no hit is claimed for them again
         self._finished_tails: Dict[str, tuple] = {}  # req id -> (hashes, tables, hand-offs)
         self.matched_tokens = 0  # external tokens reported to vLLM
-        self._mooncake_reset_logged = False
 
     def shutdown(self) -> None:
-        engine, self.engine = self.engine, None
-        if engine is not None:
-            try:
-                engine.shutdown()
-            except Exception as err:
-                log.warning("kvstride engine shutdown failed: %r", err)
+        self._shut_engine()
 
     def reset_cache(self) -> Optional[bool]:
-        """``reset_prefix_cache(reset_connector=True)``. The embedded store forgets every block
-        (False while a load or a save is in flight; vLLM's caller may try again). A Mooncake
-        store is shared with other engines and one of them does not clear it: False."""
-        if self.index is not None:
-            return self.index.clear()
-        if self.store is not None:
-            if not self._mooncake_reset_logged:
-                self._mooncake_reset_logged = True
-                log.warning(
-                    "kvstride: reset_connector cannot clear the Mooncake store, other engines share it; "
-                    "to drop what it holds use another cache_prefix or restart its holder (logged once)"
-                )
-            return False
-        return None
+        """``reset_prefix_cache(reset_connector=True)``: the embedded store forgets every block
+        (False while a load or a save is in flight; vLLM's caller may try again); a Mooncake
+        store is shared with other engines and one of them does not clear it (False)."""
+        return self.placement.reset()
 
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int):
         try:
@@ -162,8 +145,7 @@ class SchedulerSide(Outcomes):
             self._recompute.update(connector_output.failed_recving or ())
             meta = getattr(connector_output, "kv_connector_worker_meta", None)
             if isinstance(meta, KVStrideWorkerMetadata):
-                if self.index is not None:
-                    self.index.drop_slots(meta.corrupt_slots)
+                self.placement.forget_corrupt(meta.corrupt)
                 self._saves_reported(meta.saves)
         except Exception as err:  # never into vLLM's scheduler; stale jobs are abandoned later
             self._log_once("connector-output", "kvstride update_connector_output failed: %r", err)
@@ -192,7 +174,7 @@ class SchedulerSide(Outcomes):
                 self._plan_saves(saves, meta)
         except Exception as err:  # saves are best effort; loads must go out
             log.warning("kvstride: this step's saves were skipped: %r", err)
-            meta.arena_saves, meta.store_saves = {}, {}
+            meta.saves = {}
             # Finished requests held for their tail are released all the same.
             meta.finished_tails = sorted(set(meta.finished_tails) | set(self._finished_tails))
             self._finished_tails.clear()
@@ -201,8 +183,9 @@ class SchedulerSide(Outcomes):
     # ---- loads --------------------------------------------------------------------------------
 
     def _plan_load(self, load: LoadRequest, meta: KVStrideMetadata) -> None:
-        """The load's gets, per rank (the arena: slots every rank copies from). A load that
-        cannot be planned is reported failed by the workers, and vLLM recomputes it."""
+        """The load's gets, per rank, as the placement places them (the arena pins its slots
+        until the load is reported). A load that cannot be planned is reported failed by the
+        workers, and vLLM recomputes it."""
         rid = load.req_id
         try:
             plans = [
@@ -214,18 +197,13 @@ class SchedulerSide(Outcomes):
                 self.engine.count("load_missing_destination")
                 self._fail_load(rid, meta)
                 return
-            self._load_hits[rid] = load.hit_tokens
-            if self.index is None:
-                meta.store_loads[rid] = {rank: list(plan.gets) for rank, plan in enumerate(plans)}
-                return
-            gets = plans[0].gets
-            slots = self.index.pin([key for key, _, _ in gets])
-            if slots is None:
+            placed = self.placement.place_load(rid, [list(plan.gets) for plan in plans])
+            if placed is None:  # gone from the store since the lookup
                 self.engine.count("load_not_ready")
                 self._fail_load(rid, meta)
                 return
-            self._load_pins[rid] = slots
-            meta.arena_loads[rid] = ArenaCopy(slots, [g for _, g, _ in gets], [b for _, _, b in gets])
+            self._load_hits[rid] = load.hit_tokens
+            meta.loads[rid] = placed
         except Exception as err:
             log.warning("kvstride: load of %s could not be planned, it is recomputed: %r", rid, err)
             self._fail_load(rid, meta)
@@ -235,13 +213,12 @@ class SchedulerSide(Outcomes):
         meta.failed_loads.append(rid)
 
     def _loads_reported(self, done, failed) -> None:
-        """Loads the workers finished: the arena's slots are released, and a loaded prefix is
-        in the store, so the request's saves start after it."""
+        """Loads the workers finished: the placement releases them (the arena's pins), and a
+        loaded prefix is in the store, so the request's saves start after it."""
         failed = set(failed or ())
         for rid in done or ():
             self._loading.discard(rid)
-            if self.index is not None:
-                self.index.unpin(self._load_pins.pop(rid, ()))
+            self.placement.load_done(rid)
             hit = self._load_hits.pop(rid, None)
             if hit is None or rid in failed or rid not in self._requests:
                 continue
@@ -254,45 +231,46 @@ class SchedulerSide(Outcomes):
 
     def _plan_saves(self, saves: List[SaveRequest], meta: KVStrideMetadata) -> None:
         """Plan the step's saves with every rank's planner from the requests' offsets, minus
-        what the store (or the arena's index) has; the arena gives each new key a slot."""
+        what the store has or is being written (one call for every rank's keys), and place
+        them (the arena gives each new key a slot)."""
         states = self.engine.request_states([save.req_id for save in saves])
         start = [state.planned for state in states]
-        known = self.index.known if self.index is not None else self.store.exists
         per_rank, owners, failed, ends = [], {}, set(), []
         for planner in self.rank_planners:
             for state, planned in zip(states, start):  # every rank plans from the same offsets
                 state.planned = planned
-            entries, rank_owners, ends, rank_failed = self.engine.plan_saves(saves, states, known, planner)
+            entries, rank_owners, ends, rank_failed = self.engine.plan_saves(saves, states, _nothing_known, planner)
             per_rank.append(entries)
             failed |= rank_failed
             for key, rids in rank_owners.items():
                 owners.setdefault(key, rids)
-        job = _SaveJob([], owners, saves, states, ends, failed, self._step)
-        if self.index is not None:
-            entries = per_rank[0]
-            slots = self.index.reserve([key for key, _, _ in entries])
-            kept = [(e, s) for e, s in zip(entries, slots) if s is not None]
-            if len(kept) < len(entries):
-                self.engine.count("put_full", len(entries) - len(kept))
-                failed.update(rid for (key, _, _), s in zip(entries, slots) if s is None for rid in owners[key])
-            job.keys = [key for (key, _, _), _ in kept]
-            copy = ArenaCopy([s for _, s in kept], [e[1] for e, _ in kept], [e[2] for e, _ in kept])
-            empty = not kept
-        else:
-            job.keys = [key for entries in per_rank for key, _, _ in entries]
-            empty = not job.keys
+        per_rank = self._without_known(per_rank)
+        placed, keys, refused = self.placement.place_saves(per_rank)
+        if refused:
+            self.engine.count("put_full", len(refused))
+            failed.update(rid for key in refused for rid in owners[key])
+        job = _SaveJob(keys, owners, saves, states, ends, failed, self._step)
         for save, state, planned, end in zip(saves, states, start, ends):
             # A failed save plans its missing blocks again next step.
             state.planned = planned if save.req_id in failed else max(planned, end)
-        if empty:
+        if not keys:
             self._finish_job(job)
             return
         job_id = self._next_job = self._next_job + 1
         self._jobs[job_id] = job
-        if self.index is not None:
-            meta.arena_saves[job_id] = copy
-        else:
-            meta.store_saves[job_id] = dict(enumerate(per_rank))
+        meta.saves[job_id] = placed
+
+    def _without_known(self, per_rank: List[list]) -> List[list]:
+        """Every rank's entries minus the keys the placement knows, asked in one call."""
+        keys = list(dict.fromkeys(key for entries in per_rank for key, _, _ in entries))
+        if not keys:
+            return per_rank
+        present = [bool(p) for p in self.placement.known(keys)]
+        if len(present) != len(keys):  # a short answer: put everything (puts are idempotent)
+            return per_rank
+        known = {key for key, p in zip(keys, present) if p}
+        self.engine.count("put_skipped_present", sum(key in known for entries in per_rank for key, _, _ in entries))
+        return [[entry for entry in entries if entry[0] not in known] for entries in per_rank]
 
     def _abandon_stale_jobs(self) -> None:
         """Save jobs not every rank reported within ``ABANDON_AFTER_STEPS`` steps (a report
@@ -301,8 +279,7 @@ class SchedulerSide(Outcomes):
         oldest = self._step - ABANDON_AFTER_STEPS
         for job_id in [j for j, job in self._jobs.items() if job.step < oldest]:
             job = self._jobs.pop(job_id)
-            if self.index is not None:
-                self.index.abandon(job.keys)
+            self.placement.saves_done(job.keys, ok=False)
             self.engine.count("save_jobs_abandoned")
             job.failed.update(rid for key in job.keys for rid in job.owners[key])
             self._finish_job(job)
@@ -322,12 +299,7 @@ class SchedulerSide(Outcomes):
             del self._jobs[job_id]
             if job.bad:
                 job.failed.update(rid for key in job.keys for rid in job.owners[key])
-            if self.index is not None and job.bad:
-                self.index.abandon(job.keys)
-                self.engine.count("put_error", len(job.keys))
-            elif self.index is not None:
-                self.index.confirm(job.keys)
-                self.engine.count("put_ok", len(job.keys))
+            self.placement.saves_done(job.keys, ok=not job.bad)
             self._finish_job(job)
 
     def _finish_job(self, job: "_SaveJob") -> None:
@@ -389,7 +361,8 @@ class SchedulerSide(Outcomes):
 
     @staticmethod
     def _split_by_boundary(entries) -> List[List[Tuple[int, int, int]]]:
-        """vLLM's ``(group, block_id, boundary)`` hand-offs, one list per boundary (in order)."""
+        """vLLM's ``(group, block_id, boundary)`` hand-offs, one list per boundary (in order):
+        each is one tail for the core to plan (SEMANTICS §5, rule 3)."""
         out: Dict[int, List[Tuple[int, int, int]]] = {}
         for g, b, boundary in entries:
             out.setdefault(int(boundary), []).append((int(g), int(b), int(boundary)))

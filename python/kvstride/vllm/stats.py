@@ -185,12 +185,12 @@ class KVStridePromMetrics(KVConnectorPromMetrics):
 
 class Outcomes:
     """What one side of the connector counted and timed (its engine adds its own), logged
-    once per kind of failure, and reported to vLLM as per-step deltas. The step thread and
-    the arena loader's results both land here, under the lock."""
+    once per kind of failure, and reported to vLLM as per-step deltas (under a lock: vLLM's
+    stats thread and the step thread both read them)."""
 
     def __init__(self) -> None:
         self.engine = None  # the side's OffloadEngine, once it has one
-        self.store = None  # the side's store client (Mooncake), if any
+        self.store = None  # the side's store, whose counters hold the MAC's rejections
         self._counters: collections.Counter = collections.Counter()
         self._seconds: collections.Counter = collections.Counter()
         self._counters_lock = threading.Lock()
@@ -200,6 +200,15 @@ class Outcomes:
     def count(self, name: str, n: int = 1) -> None:
         with self._counters_lock:
             self._counters[name] += n
+
+    def _shut_engine(self) -> None:
+        """Stop the engine's lanes, waiting for what runs, and let it go (its staging with it)."""
+        engine, self.engine = self.engine, None
+        if engine is not None:
+            try:
+                engine.shutdown()
+            except Exception as err:
+                log.warning("kvstride engine shutdown failed: %r", err)
 
     def _add_seconds(self, operation: str, seconds: float) -> None:
         with self._counters_lock:
@@ -219,8 +228,9 @@ class Outcomes:
             out = collections.Counter(self._counters)
         if self.engine is not None:
             out.update(dict(self.engine.counters))
-        if self.store is not None:  # forged values the store's MAC check refused (issue 17)
-            out["mac_rejected"] += self.store.counters.get("mac_rejected", 0)
+        counted = getattr(self.store, "counters", None)
+        if counted is not None:  # forged values the store's MAC check refused (issue 17)
+            out["mac_rejected"] += counted.get("mac_rejected", 0)
         return out
 
     def get_kv_connector_stats(self) -> Optional[KVStrideStats]:

@@ -1,4 +1,8 @@
-"""Stores shared by the connectors of one process: vLLM builds a scheduler-side and a
+"""The store each side of the connector works with, by ``kv_connector_extra_config["store"]``:
+the one place that names the store kinds. The scheduler gets a placement
+(:mod:`kvstride.stores.placement`), a worker the store its engine copies to.
+
+Stores are shared by the connectors of one process: vLLM builds a scheduler-side and a
 worker-side connector in one process (``uni`` executor) and may rebuild them; each Mooncake
 client (and its segment and registrations) exists once per process and closes with its last
 user."""
@@ -8,13 +12,54 @@ from __future__ import annotations
 import hashlib
 import logging
 import threading
+from dataclasses import dataclass
 from typing import Dict, Optional, Tuple
 
-from kvstride.stores import KVStore
+from kvstride.arena import ArenaPlacement, ArenaSlots, slots_for
+from kvstride.mooncake_config import parse_size, resolve_client_config
+from kvstride.stores import KVStore, MooncakeStore
+from kvstride.stores.placement import StorePlacement
+from kvstride.transfer import StagingPool, Transfer, staging_bytes_for
+from kvstride.vllm.checks import check_reproducible_hashes, warn_unauthenticated_store
 
-__all__ = ["shared_store", "release_shared_store", "drop_shared_stores", "make_store"]
+__all__ = [
+    "StoreChoice", "choose_store", "open_side_store", "engine_transfer",
+    "shared_store", "release_shared_store", "drop_shared_stores", "make_store",
+]
 
 log = logging.getLogger("kvstride.vllm")
+
+#: The embedded store's capacity per TP rank without ``store_bytes``.
+DEFAULT_STORE_BYTES = 1 << 30
+
+
+@dataclass(frozen=True)
+class StoreChoice:
+    """``kv_connector_extra_config["store"]``, and what its kind decides for the connector."""
+
+    kind: str  # "embedded" or "mooncake"
+    keyed_ranks: int  # TP ranks whose keys differ (SEMANTICS §3)
+    num_slots: int = 0  # arena slots per rank (embedded)
+
+
+def choose_store(extra: dict, kv_cache_config, tp_size: int) -> StoreChoice:
+    """The configured store. The arena's keys never leave the scheduler's index and every rank
+    writes its own shard into the same slot, so it keys as one rank; a Mooncake store is
+    shared by every rank, so each keys (and stripes) its own heads."""
+    kind = str(extra.get("store", "embedded"))
+    if kind == "embedded":
+        store_bytes = parse_size(extra.get("store_bytes", DEFAULT_STORE_BYTES), "store_bytes")
+        return StoreChoice(kind, 1, slots_for(store_bytes, arena_slot_bytes(kv_cache_config)))
+    if kind == "mooncake":
+        return StoreChoice(kind, tp_size)
+    raise ValueError(f"unknown kvstride store {kind!r}; use 'embedded' (the default) or 'mooncake'")
+
+
+def arena_slot_bytes(kv_cache_config) -> int:
+    """An upper bound of one block's bytes on one rank, over every group: what the scheduler
+    sizes the arena's slots by (each worker's slots are at most this large)."""
+    return max(int(g.kv_cache_spec.page_size_bytes) * len(g.layer_names) for g in kv_cache_config.kv_cache_groups)
+
 
 _STORES: Dict[Tuple[str, bytes], KVStore] = {}
 _STORE_USERS: Dict[Tuple[str, bytes], int] = {}  # connectors holding each store
@@ -67,12 +112,6 @@ def drop_shared_stores() -> None:
 def make_store(extra: dict, fingerprint: bytes, secret: Optional[bytes] = None) -> KVStore:
     """The Mooncake client, configured the way vLLM's MooncakeStoreConnector is
     (``MOONCAKE_CONFIG_PATH``), explicit ``mooncake_*`` keys overriding the file."""
-    kind = str(extra.get("store"))
-    if kind != "mooncake":
-        raise ValueError(f"unknown kvstride store {kind!r}; use 'embedded' (the default) or 'mooncake'")
-    from kvstride.mooncake_config import resolve_client_config
-    from kvstride.stores import MooncakeStore
-
     config = resolve_client_config(extra)
     name = f"mooncake:{config.master_server_address}:{extra.get('store_name', 'default')}"
     if secret is not None:  # connectors with different keys never share a client; the key itself stays out
@@ -80,3 +119,38 @@ def make_store(extra: dict, fingerprint: bytes, secret: Optional[bytes] = None) 
     return shared_store(
         name, fingerprint, lambda: MooncakeStore.from_config(config, fingerprint=fingerprint, secret=secret)
     )
+
+
+def open_side_store(config, vllm_config, worker: bool):
+    """(what the side works with, the shared client to release at its shutdown or None).
+
+    Embedded: the scheduler's :class:`~kvstride.arena.ArenaPlacement` (the slot index), a
+    worker's :class:`~kvstride.arena.ArenaSlots`. Mooncake: the process's shared client, the
+    scheduler's wrapped in a :class:`~kvstride.stores.placement.StorePlacement`; engines
+    share what they store, so their block hashes must agree."""
+    if config.store.kind == "embedded":
+        return (ArenaSlots if worker else ArenaPlacement)(config.store.num_slots), None
+    check_reproducible_hashes(vllm_config, shared=True)
+    if config.secret is None:
+        warn_unauthenticated_store()
+    client = make_store(config.extra, bytes.fromhex(config.fingerprint), config.secret)
+    return (client if worker else StorePlacement(client)), client
+
+
+def engine_transfer(store, layout, extra: dict, step_tokens: int, planner):
+    """What a worker's engine moves blocks with: the layout alone for a store that copies
+    blocks itself (the arena's slots), else a staging pool registered with the store, sized
+    by ``staging_bytes`` or, by default, what one full step of ``step_tokens`` can save plus
+    the loads' share."""
+    if hasattr(store, "bind_layout"):
+        return layout
+    if "staging_bytes" in extra:
+        staging_bytes = parse_size(extra["staging_bytes"], "staging_bytes")
+    else:
+        staging_bytes = staging_bytes_for(layout, step_tokens, planner)
+    pool = StagingPool(staging_bytes)
+    try:
+        pool.register(store.register_buffer)
+    except Exception as err:
+        raise RuntimeError(f"kvstride: the store refused the staging buffer: {err!r}") from err
+    return Transfer(layout, pool)

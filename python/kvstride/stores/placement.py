@@ -1,0 +1,81 @@
+"""Where a step's saves and loads go, decided on vLLM's scheduler (the one planning point):
+the store layer's scheduler-side surface, so the connector's scheduler side plans every store
+the same way and never asks which store it has.
+
+A placement turns the keys the core planned into the entries workers execute, per TP rank::
+
+    exists(keys) -> list[bool]           readable by a load now (lookups)
+    known(keys) -> list[bool]            a save need not write them (stored, or being written)
+    place_saves(per_rank) -> (entries by rank, keys placed, keys refused for want of room)
+    saves_done(keys, ok)                 every rank reported a save job (ok: all wrote it)
+    place_load(req_id, per_rank) -> entries by rank, or None when the hit is gone
+    load_done(req_id)                    the workers reported the load
+    forget_corrupt(items)                what a worker's load found corrupted
+    reset() -> bool | None               ``reset_prefix_cache(reset_connector=True)``
+
+An entry is ``(key or slot, group, block id)``; ``EVERY_RANK`` names the list every rank
+executes. :class:`StorePlacement` is a store every rank calls itself (Mooncake);
+``kvstride.arena.ArenaPlacement`` is the embedded store's slot index.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Dict, List, Optional, Sequence, Tuple
+
+__all__ = ["EVERY_RANK", "StorePlacement", "Entry", "rank_entries"]
+
+log = logging.getLogger("kvstride.stores")
+
+#: The rank key of entries that every rank executes (the arena: the same slots on every rank).
+EVERY_RANK = -1
+
+#: ``(key or slot, group, block id)``.
+Entry = Tuple[object, int, int]
+
+
+def rank_entries(by_rank: Dict[int, List[Entry]], rank: int) -> List[Entry]:
+    """One rank's entries of a placement's ``{rank: entries}``."""
+    entries = by_rank.get(rank)
+    return by_rank.get(EVERY_RANK, []) if entries is None else entries
+
+
+class StorePlacement:
+    """A store each rank reads and writes under its own keys (Mooncake): entries go out as
+    the core planned them, and what is stored is the store's to say."""
+
+    def __init__(self, store) -> None:
+        self.store = store
+        self._reset_logged = False
+
+    def exists(self, keys: Sequence[str]) -> List[bool]:
+        return self.store.exists(keys)
+
+    def known(self, keys: Sequence[str]) -> List[bool]:
+        return self.store.exists(keys)
+
+    def place_saves(self, per_rank: List[List[Entry]]):
+        keys = [key for entries in per_rank for key, _, _ in entries]
+        return dict(enumerate(per_rank)), keys, []
+
+    def saves_done(self, keys: Sequence[str], ok: bool) -> None:
+        """Nothing to do: a put that failed left nothing readable."""
+
+    def place_load(self, req_id: str, per_rank: List[List[Entry]]) -> Optional[Dict[int, List[Entry]]]:
+        return dict(enumerate(per_rank))
+
+    def load_done(self, req_id: str) -> None:
+        """Nothing pinned: a value evicted under a load is a failed get, recomputed."""
+
+    def forget_corrupt(self, items) -> None:
+        """Nothing to do: the store removed a corrupted value when a get found it."""
+
+    def reset(self) -> bool:
+        """A shared store is not cleared by one of its engines: False."""
+        if not self._reset_logged:
+            self._reset_logged = True
+            log.warning(
+                "kvstride: reset_connector cannot clear the Mooncake store, other engines share it; "
+                "to drop what it holds use another cache_prefix or restart its holder (logged once)"
+            )
+        return False
