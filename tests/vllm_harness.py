@@ -202,15 +202,29 @@ def randomize_kv(worker, seed: int) -> int:
     return written
 
 
+def saves_landed(worker, timeout: float = 120.0) -> bool:
+    """(In a worker, ``LLM.collective_rpc``) Wait until every store put kvstride's connector
+    queued has run: its copies leave the KV cache within the step, its Mooncake puts run later
+    on the save lane. True at once for another connector or none."""
+    from vllm.distributed.kv_transfer.kv_transfer_state import get_kv_transfer_group, has_kv_transfer_group
+
+    if not has_kv_transfer_group():
+        return True
+    engine = getattr(getattr(get_kv_transfer_group(), "side", None), "engine", None)
+    return engine is None or engine.wait_idle(timeout)
+
+
 def drain_and_forget(llm, seed: int) -> None:
-    """Wait until no request holds a block, reset vLLM's prefix cache (until it says it did)
-    and overwrite every KV tensor: the next request can only hit through the connector."""
+    """Wait until no request holds a block and every save reached the store, reset vLLM's
+    prefix cache (until it says it did) and overwrite every KV tensor: the next request can
+    only hit through the connector, on everything stored before it."""
     deadline = time.monotonic() + 60
     while not llm.reset_prefix_cache():
         if time.monotonic() > deadline:
             raise TimeoutError("reset_prefix_cache() never succeeded: some request still holds blocks")
         llm.llm_engine.step()  # lets the connector report the saves that hold blocks
         time.sleep(0.005)
+    assert all(llm.collective_rpc(saves_landed)), "a worker's saves did not land within the timeout"
     assert sum(llm.collective_rpc(randomize_kv, args=(seed,))) > 0
 
 
