@@ -20,7 +20,7 @@ from typing import Dict, List, Optional, Tuple
 import numpy as np
 
 from kvstride.arena.slots import HostArena
-from kvstride.engine import OffloadEngine
+from kvstride.engine import OffloadEngine, header_room_for
 from kvstride.layout import KVLayout
 from kvstride.mooncake_config import parse_size
 from kvstride.transfer import StagingPool, Transfer, staging_bytes_for
@@ -83,7 +83,7 @@ class WorkerSide(Outcomes):
             staging_bytes = parse_size(self._extra["staging_bytes"], "staging_bytes")
         else:  # what one full step can save (vLLM's token budget), plus the loads' share
             step_tokens = int(self._vllm_config.scheduler_config.max_num_batched_tokens)
-            staging_bytes = staging_bytes_for(layout, step_tokens, self.planner)
+            staging_bytes = staging_bytes_for(layout, step_tokens, self.planner, header_room_for(self.store, layout))
         pool = StagingPool(staging_bytes)
         try:
             pool.register(self.store.register_buffer)
