@@ -6,8 +6,10 @@ and the embedded store's GB/s.
 One process, one master on loopback (started here), the client owns a segment (Mooncake then
 copies with memcpy, no TCP).  Values are staged blocks of 2 parts.  Baseline:
 ``batch_put_from_multi_buffers`` / ``batch_get_into_multi_buffers`` with the same parts and
-fresh keys, no header, no hash.  kvstride adds a 64-byte header part and (verify=on) an XXH3
-of the payload on put and on get.  "digests with the copy" is how ``OffloadEngine`` calls it on
+fresh keys, no header, no hash.  kvstride adds a 64-byte header and (verify=on) an XXH3 of the
+payload on put and on get; values are laid out as the engine's staging pool lays them out on
+CPU, with room for the header in front of each value (``header_room=True``), so the header
+rides the first part and a value is two parts on both sides.  "digests with the copy" is how ``OffloadEngine`` calls it on
 a CPU KV cache: the XXH3 is computed by the gather that copies the blocks into staging (put)
 and checked by the scatter that copies them out (get), so the store call itself only writes
 and checks headers; ``benches/engine.py`` times that whole path.  Ratio = raw time / kvstride
@@ -56,11 +58,23 @@ def main():
     a = ap.parse_args()
     n, size = a.keys, a.value_kib * 1024
     half = size // 2
+    room = store_format.HEADER_BYTES
+    row = room + size  # a value and the room for its header before it
     rng = np.random.default_rng(0)
-    src = rng.integers(0, 256, n * size, dtype=np.uint8)
-    dst = np.zeros(n * size, dtype=np.uint8)
-    parts_src = [[(src.ctypes.data + i * size, half), (src.ctypes.data + i * size + half, half)] for i in range(n)]
-    parts_dst = [[(dst.ctypes.data + i * size, half), (dst.ctypes.data + i * size + half, half)] for i in range(n)]
+    src = rng.integers(0, 256, n * row, dtype=np.uint8)
+    dst = np.zeros(n * row, dtype=np.uint8)
+
+    def payload_parts(buf):
+        return [[(buf.ctypes.data + i * row + room, half), (buf.ctypes.data + i * row + room + half, half)] for i in range(n)]
+
+    def with_room(parts):
+        return [[(a - room, m + room), *rest] for (a, m), *rest in parts]
+
+    def payloads(buf):
+        return buf.reshape(n, row)[:, room:]
+
+    parts_src, parts_dst = payload_parts(src), payload_parts(dst)
+    values_src, values_dst = with_room(parts_src), with_room(parts_dst)
     total = n * size
     rows = []
 
@@ -100,13 +114,13 @@ def main():
                     rc = raw.batch_put_from_multi_buffers(ks, ptrs, sz)
                     assert all(x == 0 for x in rc), rc[:4]
                 elif name == "MAC":
-                    st = store.put(ks, parts_src)
+                    st = store.put(ks, values_src, header_room=True)
                     assert all(x is stores.Status.OK for x in st)
                 elif name.endswith("copy"):
-                    st = store.put(ks, parts_src, digests=want)
+                    st = store.put(ks, values_src, digests=want, header_room=True)
                     assert all(x is stores.Status.OK for x in st)
                 else:
-                    st = ms[name.startswith("verify=on")].put(ks, parts_src)
+                    st = ms[name.startswith("verify=on")].put(ks, values_src, header_room=True)
                     assert all(x is stores.Status.OK for x in st)
                 tp = time.perf_counter() - t
                 dptrs = [[p for p, _ in ps] for ps in parts_dst]
@@ -115,17 +129,17 @@ def main():
                     rc = raw.batch_get_into_multi_buffers(ks, dptrs, sz)
                     assert all(x == size for x in rc), rc[:4]
                 elif name == "MAC":
-                    st = store.get(ks, parts_dst)
+                    st = store.get(ks, values_dst, header_room=True)
                     assert all(x is stores.Status.OK for x in st)
                 elif name.endswith("copy"):
                     got = [0] * n
-                    st = store.get(ks, parts_dst, digests_out=got)
+                    st = store.get(ks, values_dst, digests_out=got, header_room=True)
                     assert all(x is stores.Status.OK for x in st) and got == want.tolist()
                 else:
-                    st = ms[name.startswith("verify=on")].get(ks, parts_dst)
+                    st = ms[name.startswith("verify=on")].get(ks, values_dst, header_room=True)
                     assert all(x is stores.Status.OK for x in st)
                 tg = time.perf_counter() - t
-                assert np.array_equal(src[:size], dst[:size])
+                assert np.array_equal(payloads(src)[0], payloads(dst)[0])
                 res.setdefault(name, ([], []))
                 res[name][0].append(tp)
                 res[name][1].append(tg)
@@ -161,7 +175,7 @@ def main():
                     assert all(x == 0 for x in rc), rc[:4]
                 else:
                     d = _core._save_rows(src_a, dst_a, lens, starts, secret_obj)
-                    st = store.put(ks, parts_dst, digests=d)
+                    st = store.put(ks, values_dst, digests=d, header_room=True)
                     assert all(x is stores.Status.OK for x in st)
                 tp = time.perf_counter() - t
                 dst[:] = 0
@@ -172,11 +186,11 @@ def main():
                     _core._copy_regions(dst_a, kv2_a, lens)
                 else:
                     got = [0] * n
-                    st = store.get(ks, parts_dst, digests_out=got)
+                    st = store.get(ks, values_dst, digests_out=got, header_room=True)
                     ok = _core._load_rows(dst_a, kv2_a, lens, starts, u64(got), secret_obj)
                     assert all(x is stores.Status.OK for x in st) and ok.all()
                 tg = time.perf_counter() - t
-                assert np.array_equal(src, kv2)
+                assert np.array_equal(payloads(src), payloads(kv2))
                 whole[name][0].append(tp)
                 whole[name][1].append(tg)
                 cleanup(ks)
