@@ -26,7 +26,9 @@ copy in the same run: a save is the gather from the "KV cache" into staging then
 load is the get into staging then the scatter out of it. Raw: ``_copy_regions`` + the raw batch
 call; XXH3 / MAC: ``_save_rows`` / ``_load_rows`` (digest or tag riding the copy) + the store
 call with ``digests=`` / ``digests_out=``. Same threads on both sides (rayon's pool for the
-copies, Mooncake's for the transfer).
+copies, Mooncake's for the transfer). The raw baseline stages values back to back, as a caller
+of raw Mooncake would; "raw + copy, header room layout" is the same raw path on kvstride's
+layout (64 bytes before each value), which shows what the layout alone changes.
 """
 
 import argparse
@@ -159,18 +161,31 @@ def main():
         kv2_a = u64([kv2.ctypes.data + (a - dst.ctypes.data) for a in dst_a])
         lens = u64([m for ps in parts_src for _, m in ps])
         starts = u64(range(0, 2 * n + 1, 2))
-        dptrs = [[p for p, _ in ps] for ps in parts_dst]
-        sz = [[m for _, m in ps] for ps in parts_dst]
-        whole = {k: ([], []) for k in ("raw + copy", "XXH3, digests with the copy", "MAC, tags with the copy")}
+        # The raw baseline lays values out back to back, as a caller of raw Mooncake would;
+        # the "header room layout" row times the same raw calls on kvstride's layout.
+        src_c, dst_c, kv2_c = payloads(src).copy().ravel(), np.zeros(total, np.uint8), np.zeros(total, np.uint8)
+        for s in ms.values():
+            s.register_buffer(dst_c.ctypes.data, dst_c.nbytes)
+        back_to_back = u64([i * size + h * half for i in range(n) for h in (0, 1)])
+        raw_layouts = {
+            "raw + copy": (src_c.ctypes.data + back_to_back, dst_c.ctypes.data + back_to_back,
+                           kv2_c.ctypes.data + back_to_back, src_c, kv2_c),
+            "raw + copy, header room layout": (src_a, dst_a, kv2_a, payloads(src), payloads(kv2)),
+        }
+        sz = [[half, half]] * n
+        whole = {k: ([], []) for k in (*raw_layouts, "XXH3, digests with the copy", "MAC, tags with the copy")}
         for _ in range(a.reps):
             for name in whole:
                 ks = keys("whole " + name)
                 store = ms["mac"] if name.startswith("MAC") else ms[True]
                 secret_obj = store.mac_secret
                 kv2[:] = 0
+                kv2_c[:] = 0
                 t = time.perf_counter()
-                if name.startswith("raw"):
-                    _core._copy_regions(src_a, dst_a, lens)
+                if name in raw_layouts:
+                    from_a, staged_a, to_a, _, _ = raw_layouts[name]
+                    dptrs = staged_a.reshape(n, 2).tolist()
+                    _core._copy_regions(from_a, staged_a, lens)
                     rc = raw.batch_put_from_multi_buffers(ks, dptrs, sz)
                     assert all(x == 0 for x in rc), rc[:4]
                 else:
@@ -179,18 +194,20 @@ def main():
                     assert all(x is stores.Status.OK for x in st)
                 tp = time.perf_counter() - t
                 dst[:] = 0
+                dst_c[:] = 0
                 t = time.perf_counter()
-                if name.startswith("raw"):
+                if name in raw_layouts:
                     rc = raw.batch_get_into_multi_buffers(ks, dptrs, sz)
                     assert all(x == size for x in rc), rc[:4]
-                    _core._copy_regions(dst_a, kv2_a, lens)
+                    _core._copy_regions(staged_a, to_a, lens)
                 else:
                     got = [0] * n
                     st = store.get(ks, values_dst, digests_out=got, header_room=True)
                     ok = _core._load_rows(dst_a, kv2_a, lens, starts, u64(got), secret_obj)
                     assert all(x is stores.Status.OK for x in st) and ok.all()
                 tg = time.perf_counter() - t
-                assert np.array_equal(payloads(src), payloads(kv2))
+                sent, landed = raw_layouts[name][3:] if name in raw_layouts else (payloads(src), payloads(kv2))
+                assert np.array_equal(sent, landed)
                 whole[name][0].append(tp)
                 whole[name][1].append(tg)
                 cleanup(ks)
