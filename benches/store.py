@@ -26,9 +26,10 @@ copy in the same run: a save is the gather from the "KV cache" into staging then
 load is the get into staging then the scatter out of it. Raw: ``_copy_regions`` + the raw batch
 call; XXH3 / MAC: ``_save_rows`` / ``_load_rows`` (digest or tag riding the copy) + the store
 call with ``digests=`` / ``digests_out=``. Same threads on both sides (rayon's pool for the
-copies, Mooncake's for the transfer). The raw baseline stages values back to back, as a caller
-of raw Mooncake would; "raw + copy, header room layout" is the same raw path on kvstride's
-layout (64 bytes before each value), which shows what the layout alone changes.
+copies, Mooncake's for the transfer). Staging is a ``StagingPool`` laid out piece-major as the
+engine's: the raw baseline's without header room (as the engine staged before), kvstride's with
+it; "raw + copy, header room layout" is the raw path on kvstride's staging (what the layout alone
+changes), "header part of its own" kvstride's path as it was before (three parts a value).
 """
 
 import argparse
@@ -155,59 +156,67 @@ def main():
         from kvstride import _core
 
         u64 = lambda xs: np.array(xs, dtype=np.uint64)  # noqa: E731
-        kv2 = np.zeros_like(src)  # where loads land (the "KV cache" of the reader)
-        src_a = u64([a for ps in parts_src for a, _ in ps])
+        src_a = u64([a for ps in parts_src for a, _ in ps])  # (the gather rows, below)
         dst_a = u64([a for ps in parts_dst for a, _ in ps])
-        kv2_a = u64([kv2.ctypes.data + (a - dst.ctypes.data) for a in dst_a])
         lens = u64([m for ps in parts_src for _, m in ps])
         starts = u64(range(0, 2 * n + 1, 2))
-        # The raw baseline lays values out back to back, as a caller of raw Mooncake would;
-        # the "header room layout" row times the same raw calls on kvstride's layout.
-        src_c, dst_c, kv2_c = payloads(src).copy().ravel(), np.zeros(total, np.uint8), np.zeros(total, np.uint8)
-        for s in ms.values():
-            s.register_buffer(dst_c.ctypes.data, dst_c.nbytes)
         back_to_back = u64([i * size + h * half for i in range(n) for h in (0, 1)])
-        raw_layouts = {
-            "raw + copy": (src_c.ctypes.data + back_to_back, dst_c.ctypes.data + back_to_back,
-                           kv2_c.ctypes.data + back_to_back, src_c, kv2_c),
-            "raw + copy, header room layout": (src_a, dst_a, kv2_a, payloads(src), payloads(kv2)),
+        kv_src, kv_dst = payloads(src).copy().ravel(), np.zeros(total, np.uint8)  # writer's and reader's blocks
+        kv_src_a, kv_dst_a = kv_src.ctypes.data + back_to_back, kv_dst.ctypes.data + back_to_back
+        transfer_mod = load("transfer")
+
+        def staged(header_room):
+            """A staging pool and each value's payload parts in it, piece-major as
+            ``Transfer.stage`` lays blocks out: piece 0 of every value (each after the header's
+            room when ``header_room``), then piece 1 of every value."""
+            row = half + (room if header_room else 0)
+            pool = transfer_mod.StagingPool(transfer_mod._round(n * row) + n * half, load_bytes=0, pin=False)
+            for s in ms.values():
+                s.register_buffer(pool.ptr, pool.capacity)
+            first, second = pool.ptr, pool.ptr + transfer_mod._round(n * row)
+            return pool, [[(first + i * row + row - half, half), (second + i * half, half)] for i in range(n)]
+
+        plain, with_header_room = staged(False), staged(True)
+        # name: (staging, store (None: the raw calls), header_room); the raw baseline on the
+        # staging the code before used, and on today's, to show what the layout alone changes.
+        whole_paths = {
+            "raw + copy": (plain, None, False),
+            "raw + copy, header room layout": (with_header_room, None, False),
+            "XXH3, digests with the copy": (with_header_room, ms[True], True),
+            "MAC, tags with the copy": (with_header_room, ms["mac"], True),
+            "MAC, tags with the copy, header part of its own": (plain, ms["mac"], False),
         }
         sz = [[half, half]] * n
-        whole = {k: ([], []) for k in (*raw_layouts, "XXH3, digests with the copy", "MAC, tags with the copy")}
+        whole = {k: ([], []) for k in whole_paths}
         for _ in range(a.reps):
-            for name in whole:
+            for name, ((pool, staged_parts), store, header_room) in whole_paths.items():
                 ks = keys("whole " + name)
-                store = ms["mac"] if name.startswith("MAC") else ms[True]
-                secret_obj = store.mac_secret
-                kv2[:] = 0
-                kv2_c[:] = 0
+                staged_a = u64([p for ps in staged_parts for p, _ in ps])
+                values = with_room(staged_parts) if header_room else staged_parts
+                kv_dst[:] = 0
                 t = time.perf_counter()
-                if name in raw_layouts:
-                    from_a, staged_a, to_a, _, _ = raw_layouts[name]
-                    dptrs = staged_a.reshape(n, 2).tolist()
-                    _core._copy_regions(from_a, staged_a, lens)
-                    rc = raw.batch_put_from_multi_buffers(ks, dptrs, sz)
+                if store is None:
+                    _core._copy_regions(kv_src_a, staged_a, lens)
+                    rc = raw.batch_put_from_multi_buffers(ks, staged_a.reshape(n, 2).tolist(), sz)
                     assert all(x == 0 for x in rc), rc[:4]
                 else:
-                    d = _core._save_rows(src_a, dst_a, lens, starts, secret_obj)
-                    st = store.put(ks, values_dst, digests=d, header_room=True)
+                    d = _core._save_rows(kv_src_a, staged_a, lens, starts, store.mac_secret)
+                    st = store.put(ks, values, digests=d, header_room=header_room)
                     assert all(x is stores.Status.OK for x in st)
                 tp = time.perf_counter() - t
-                dst[:] = 0
-                dst_c[:] = 0
+                pool.tensor.zero_()
                 t = time.perf_counter()
-                if name in raw_layouts:
-                    rc = raw.batch_get_into_multi_buffers(ks, dptrs, sz)
+                if store is None:
+                    rc = raw.batch_get_into_multi_buffers(ks, staged_a.reshape(n, 2).tolist(), sz)
                     assert all(x == size for x in rc), rc[:4]
-                    _core._copy_regions(staged_a, to_a, lens)
+                    _core._copy_regions(staged_a, kv_dst_a, lens)
                 else:
                     got = [0] * n
-                    st = store.get(ks, values_dst, digests_out=got, header_room=True)
-                    ok = _core._load_rows(dst_a, kv2_a, lens, starts, u64(got), secret_obj)
+                    st = store.get(ks, values, digests_out=got, header_room=header_room)
+                    ok = _core._load_rows(staged_a, kv_dst_a, lens, starts, u64(got), store.mac_secret)
                     assert all(x is stores.Status.OK for x in st) and ok.all()
                 tg = time.perf_counter() - t
-                sent, landed = raw_layouts[name][3:] if name in raw_layouts else (payloads(src), payloads(kv2))
-                assert np.array_equal(sent, landed)
+                assert np.array_equal(kv_src, kv_dst)
                 whole[name][0].append(tp)
                 whole[name][1].append(tg)
                 cleanup(ks)
