@@ -6,8 +6,10 @@ and the embedded store's GB/s.
 One process, one master on loopback (started here), the client owns a segment (Mooncake then
 copies with memcpy, no TCP).  Values are staged blocks of 2 parts.  Baseline:
 ``batch_put_from_multi_buffers`` / ``batch_get_into_multi_buffers`` with the same parts and
-fresh keys, no header, no hash.  kvstride adds a 64-byte header part and (verify=on) an XXH3
-of the payload on put and on get.  "digests with the copy" is how ``OffloadEngine`` calls it on
+fresh keys, no header, no hash.  kvstride adds a 64-byte header and (verify=on) an XXH3 of the
+payload on put and on get; values are laid out as the engine's staging pool lays them out on
+CPU, with room for the header in front of each value (``header_room=True``), so the header
+rides the first part and a value is two parts on both sides.  "digests with the copy" is how ``OffloadEngine`` calls it on
 a CPU KV cache: the XXH3 is computed by the gather that copies the blocks into staging (put)
 and checked by the scatter that copies them out (get), so the store call itself only writes
 and checks headers; ``benches/engine.py`` times that whole path.  Ratio = raw time / kvstride
@@ -24,7 +26,10 @@ copy in the same run: a save is the gather from the "KV cache" into staging then
 load is the get into staging then the scatter out of it. Raw: ``_copy_regions`` + the raw batch
 call; XXH3 / MAC: ``_save_rows`` / ``_load_rows`` (digest or tag riding the copy) + the store
 call with ``digests=`` / ``digests_out=``. Same threads on both sides (rayon's pool for the
-copies, Mooncake's for the transfer).
+copies, Mooncake's for the transfer). Staging is a ``StagingPool`` laid out piece-major as the
+engine's: the raw baseline's without header room (as the engine staged before), kvstride's with
+it; "raw + copy, header room layout" is the raw path on kvstride's staging (what the layout alone
+changes), "header part of its own" kvstride's path as it was before (three parts a value).
 """
 
 import argparse
@@ -56,11 +61,23 @@ def main():
     a = ap.parse_args()
     n, size = a.keys, a.value_kib * 1024
     half = size // 2
+    room = store_format.HEADER_BYTES
+    row = room + size  # a value and the room for its header before it
     rng = np.random.default_rng(0)
-    src = rng.integers(0, 256, n * size, dtype=np.uint8)
-    dst = np.zeros(n * size, dtype=np.uint8)
-    parts_src = [[(src.ctypes.data + i * size, half), (src.ctypes.data + i * size + half, half)] for i in range(n)]
-    parts_dst = [[(dst.ctypes.data + i * size, half), (dst.ctypes.data + i * size + half, half)] for i in range(n)]
+    src = rng.integers(0, 256, n * row, dtype=np.uint8)
+    dst = np.zeros(n * row, dtype=np.uint8)
+
+    def payload_parts(buf):
+        return [[(buf.ctypes.data + i * row + room, half), (buf.ctypes.data + i * row + room + half, half)] for i in range(n)]
+
+    def with_room(parts):
+        return [[(a - room, m + room), *rest] for (a, m), *rest in parts]
+
+    def payloads(buf):
+        return buf.reshape(n, row)[:, room:]
+
+    parts_src, parts_dst = payload_parts(src), payload_parts(dst)
+    values_src, values_dst = with_room(parts_src), with_room(parts_dst)
     total = n * size
     rows = []
 
@@ -100,13 +117,13 @@ def main():
                     rc = raw.batch_put_from_multi_buffers(ks, ptrs, sz)
                     assert all(x == 0 for x in rc), rc[:4]
                 elif name == "MAC":
-                    st = store.put(ks, parts_src)
+                    st = store.put(ks, values_src, header_room=True)
                     assert all(x is stores.Status.OK for x in st)
                 elif name.endswith("copy"):
-                    st = store.put(ks, parts_src, digests=want)
+                    st = store.put(ks, values_src, digests=want, header_room=True)
                     assert all(x is stores.Status.OK for x in st)
                 else:
-                    st = ms[name.startswith("verify=on")].put(ks, parts_src)
+                    st = ms[name.startswith("verify=on")].put(ks, values_src, header_room=True)
                     assert all(x is stores.Status.OK for x in st)
                 tp = time.perf_counter() - t
                 dptrs = [[p for p, _ in ps] for ps in parts_dst]
@@ -115,17 +132,17 @@ def main():
                     rc = raw.batch_get_into_multi_buffers(ks, dptrs, sz)
                     assert all(x == size for x in rc), rc[:4]
                 elif name == "MAC":
-                    st = store.get(ks, parts_dst)
+                    st = store.get(ks, values_dst, header_room=True)
                     assert all(x is stores.Status.OK for x in st)
                 elif name.endswith("copy"):
                     got = [0] * n
-                    st = store.get(ks, parts_dst, digests_out=got)
+                    st = store.get(ks, values_dst, digests_out=got, header_room=True)
                     assert all(x is stores.Status.OK for x in st) and got == want.tolist()
                 else:
-                    st = ms[name.startswith("verify=on")].get(ks, parts_dst)
+                    st = ms[name.startswith("verify=on")].get(ks, values_dst, header_room=True)
                     assert all(x is stores.Status.OK for x in st)
                 tg = time.perf_counter() - t
-                assert np.array_equal(src[:size], dst[:size])
+                assert np.array_equal(payloads(src)[0], payloads(dst)[0])
                 res.setdefault(name, ([], []))
                 res[name][0].append(tp)
                 res[name][1].append(tg)
@@ -139,44 +156,67 @@ def main():
         from kvstride import _core
 
         u64 = lambda xs: np.array(xs, dtype=np.uint64)  # noqa: E731
-        kv2 = np.zeros_like(src)  # where loads land (the "KV cache" of the reader)
-        src_a = u64([a for ps in parts_src for a, _ in ps])
+        src_a = u64([a for ps in parts_src for a, _ in ps])  # (the gather rows, below)
         dst_a = u64([a for ps in parts_dst for a, _ in ps])
-        kv2_a = u64([kv2.ctypes.data + (a - dst.ctypes.data) for a in dst_a])
         lens = u64([m for ps in parts_src for _, m in ps])
         starts = u64(range(0, 2 * n + 1, 2))
-        dptrs = [[p for p, _ in ps] for ps in parts_dst]
-        sz = [[m for _, m in ps] for ps in parts_dst]
-        whole = {k: ([], []) for k in ("raw + copy", "XXH3, digests with the copy", "MAC, tags with the copy")}
+        back_to_back = u64([i * size + h * half for i in range(n) for h in (0, 1)])
+        kv_src, kv_dst = payloads(src).copy().ravel(), np.zeros(total, np.uint8)  # writer's and reader's blocks
+        kv_src_a, kv_dst_a = kv_src.ctypes.data + back_to_back, kv_dst.ctypes.data + back_to_back
+        transfer_mod = load("transfer")
+
+        def staged(header_room):
+            """A staging pool and each value's payload parts in it, piece-major as
+            ``Transfer.stage`` lays blocks out: piece 0 of every value (each after the header's
+            room when ``header_room``), then piece 1 of every value."""
+            row = half + (room if header_room else 0)
+            pool = transfer_mod.StagingPool(transfer_mod._round(n * row) + n * half, load_bytes=0, pin=False)
+            for s in ms.values():
+                s.register_buffer(pool.ptr, pool.capacity)
+            first, second = pool.ptr, pool.ptr + transfer_mod._round(n * row)
+            return pool, [[(first + i * row + row - half, half), (second + i * half, half)] for i in range(n)]
+
+        plain, with_header_room = staged(False), staged(True)
+        # name: (staging, store (None: the raw calls), header_room); the raw baseline on the
+        # staging the code before used, and on today's, to show what the layout alone changes.
+        whole_paths = {
+            "raw + copy": (plain, None, False),
+            "raw + copy, header room layout": (with_header_room, None, False),
+            "XXH3, digests with the copy": (with_header_room, ms[True], True),
+            "MAC, tags with the copy": (with_header_room, ms["mac"], True),
+            "MAC, tags with the copy, header part of its own": (plain, ms["mac"], False),
+        }
+        sz = [[half, half]] * n
+        whole = {k: ([], []) for k in whole_paths}
         for _ in range(a.reps):
-            for name in whole:
+            for name, ((pool, staged_parts), store, header_room) in whole_paths.items():
                 ks = keys("whole " + name)
-                store = ms["mac"] if name.startswith("MAC") else ms[True]
-                secret_obj = store.mac_secret
-                kv2[:] = 0
+                staged_a = u64([p for ps in staged_parts for p, _ in ps])
+                values = with_room(staged_parts) if header_room else staged_parts
+                kv_dst[:] = 0
                 t = time.perf_counter()
-                if name.startswith("raw"):
-                    _core._copy_regions(src_a, dst_a, lens)
-                    rc = raw.batch_put_from_multi_buffers(ks, dptrs, sz)
+                if store is None:
+                    _core._copy_regions(kv_src_a, staged_a, lens)
+                    rc = raw.batch_put_from_multi_buffers(ks, staged_a.reshape(n, 2).tolist(), sz)
                     assert all(x == 0 for x in rc), rc[:4]
                 else:
-                    d = _core._save_rows(src_a, dst_a, lens, starts, secret_obj)
-                    st = store.put(ks, parts_dst, digests=d)
+                    d = _core._save_rows(kv_src_a, staged_a, lens, starts, store.mac_secret)
+                    st = store.put(ks, values, digests=d, header_room=header_room)
                     assert all(x is stores.Status.OK for x in st)
                 tp = time.perf_counter() - t
-                dst[:] = 0
+                pool.tensor.zero_()
                 t = time.perf_counter()
-                if name.startswith("raw"):
-                    rc = raw.batch_get_into_multi_buffers(ks, dptrs, sz)
+                if store is None:
+                    rc = raw.batch_get_into_multi_buffers(ks, staged_a.reshape(n, 2).tolist(), sz)
                     assert all(x == size for x in rc), rc[:4]
-                    _core._copy_regions(dst_a, kv2_a, lens)
+                    _core._copy_regions(staged_a, kv_dst_a, lens)
                 else:
                     got = [0] * n
-                    st = store.get(ks, parts_dst, digests_out=got)
-                    ok = _core._load_rows(dst_a, kv2_a, lens, starts, u64(got), secret_obj)
+                    st = store.get(ks, values, digests_out=got, header_room=header_room)
+                    ok = _core._load_rows(staged_a, kv_dst_a, lens, starts, u64(got), store.mac_secret)
                     assert all(x is stores.Status.OK for x in st) and ok.all()
                 tg = time.perf_counter() - t
-                assert np.array_equal(src, kv2)
+                assert np.array_equal(kv_src, kv_dst)
                 whole[name][0].append(tp)
                 whole[name][1].append(tg)
                 cleanup(ks)

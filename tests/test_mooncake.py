@@ -13,14 +13,18 @@ import pytest
 import torch
 
 import kvdata
+from kvstride import _core
+from kvstride.engine import LoadRequest, OffloadEngine, SaveRequest
 from kvstride.layout import KVLayout
 from kvstride.mooncake_config import resolve_client_config
 from kvstride.stores import MooncakeStore, Status
+from kvstride.stores.base import HEADER_BYTES
 from kvstride.stores.mooncake_master import _free_port
 from kvstride.transfer import StagingPool, Transfer
 from mooncake_fixture import fresh_master, mooncake_master, mooncake_store  # noqa: F401
 
 FP = b"testfp01"
+BLOCK = 16  # tokens per block in the engine tests
 
 
 @pytest.mark.parametrize("mix", ["flash_attn", "ring_and_big", "hybrid_mamba", "mamba_raw_pages", "mla", "gemma_like"])
@@ -235,6 +239,90 @@ def test_dead_master_refused_fast_and_no_call_after_close(mooncake_master):
     assert s.exists(["x"]) == [False]
     assert s.health() == 1 and s.client is None
     s.register_buffer(a.ctypes.data, a.nbytes)  # a no-op, not a segfault
+
+
+# ---- the value header in the room staged before the payload ------------------------------------
+
+
+def test_header_room_stores_the_same_value_format(mooncake_store):
+    """A value put with its header in the room before the first part is byte for byte the one
+    put with a header part of its own: each reads back through the other, and the stored value
+    is header plus payload."""
+    room = HEADER_BYTES
+    payload = np.random.default_rng(3).integers(0, 256, 2 * 4096, dtype=np.uint8)
+    staged = np.zeros(room + payload.nbytes, np.uint8)
+    staged[room:] = payload
+    with_room = [[staged[: room + 4096], staged[room + 4096 :]]]
+    plain = [[payload[:4096], payload[4096:]]]
+    stored = []
+    for key, parts, header_room in (("room-put", with_room, True), ("room-put", plain, False)):
+        assert mooncake_store.put([key], parts, header_room=header_room) == [Status.OK]
+        with mooncake_store.raw() as client:
+            stored.append(client.get(key))
+        mooncake_store.remove([key])
+    assert stored[0] == stored[1] and len(stored[0]) == room + payload.nbytes
+    assert stored[0][room:] == payload.tobytes()
+    assert mooncake_store.put(["room-put"], with_room, header_room=True) == [Status.OK]
+    assert mooncake_store.put(["plain-put"], plain) == [Status.OK]
+    plain_dst = np.zeros_like(payload)
+    assert mooncake_store.get(["room-put"], [[plain_dst]]) == [Status.OK] and (plain_dst == payload).all()
+    room_dst = np.zeros_like(staged)
+    assert mooncake_store.get(["plain-put"], [[room_dst]], header_room=True) == [Status.OK]
+    with mooncake_store.raw() as client:
+        assert room_dst.tobytes() == client.get("plain-put")  # the header read into the room
+    # A first part too short for the header's room is refused, nothing written.
+    short = np.zeros(room - 1, np.uint8)
+    assert mooncake_store.put(["room-short"], [[short, payload]], header_room=True) == [Status.INVALID]
+    assert mooncake_store.exists(["room-short"]) == [False] and not short.any()
+
+
+class _PartsSeen:
+    """Mooncake's client, recording the part sizes of every value of its batch calls."""
+
+    def __init__(self, client) -> None:
+        self.client = client
+        self.sizes = {"put": [], "get": []}
+
+    def batch_put_from_multi_buffers(self, keys, ptrs, sizes):
+        self.sizes["put"] += sizes
+        return self.client.batch_put_from_multi_buffers(keys, ptrs, sizes)
+
+    def batch_get_into_multi_buffers(self, keys, ptrs, sizes):
+        self.sizes["get"] += sizes
+        return self.client.batch_get_into_multi_buffers(keys, ptrs, sizes)
+
+    def __getattr__(self, name):
+        return getattr(self.client, name)
+
+
+def test_engine_puts_each_block_with_its_header_in_the_first_piece(mooncake_store, monkeypatch):
+    """The engine on a CPU KV cache stages each block with room for the value header before
+    its first piece: Mooncake moves a value as one part per piece, the header inside the
+    first (not a part of its own), and the blocks load back byte for byte."""
+    kv, layout, tr = _setup_blocks(mooncake_store, seed=7)
+    pieces = [p.size for p in layout.groups[0].pieces]
+    assert len(pieces) > 1  # the header in a part of its own would make one more
+    planner = _core.KeyPlanner(
+        [_core.GroupSpec("full_attention", BLOCK)], hash_block_size=BLOCK, scheduler_block_size=BLOCK,
+        namespace=f"test-header-room-{os.getpid()}-{time.monotonic_ns()}",
+    )
+    seen = _PartsSeen(mooncake_store._client)
+    monkeypatch.setattr(mooncake_store, "_client", seen)
+    engine = OffloadEngine(planner, tr, mooncake_store)
+    try:
+        hashes = _core.BlockHasher("sha256_cbor", seed="0").hash_blocks(list(range(1, 4 * BLOCK + 1)), BLOCK)
+        ref = _bytes(kv)
+        engine.submit(saves=[SaveRequest("r", hashes, [[1, 2, 3, 4]], 4 * BLOCK)])
+        assert engine.wait_idle(30) and engine.counters["put_ok"] == 4
+        engine.submit(loads=[LoadRequest("r", hashes, [[9, 10, 11, 12]], 4 * BLOCK)])
+        assert engine.wait_idle(30) and engine.get_finished().loads_done == {"r"}
+    finally:
+        engine.shutdown()
+    whole_value = [HEADER_BYTES + pieces[0], *pieces[1:]]
+    assert seen.sizes["put"] == [whole_value] * 4 and seen.sizes["get"] == [whole_value] * 4
+    now = _bytes(kv)
+    for src, dst in zip((1, 2, 3, 4), (9, 10, 11, 12)):
+        assert torch.equal(now[0][:, dst], ref[0][:, src]) and torch.equal(now[1][:, dst], ref[1][:, src])
 
 
 # ---- memory safety (review B12, C4) -------------------------------------------------------------

@@ -16,12 +16,14 @@ import torch
 from kvstride import _core
 from kvstride.engine import LoadRequest, OffloadEngine, SaveRequest
 from kvstride.layout import KVLayout
+from kvstride.stores.base import HEADER_BYTES
 from kvstride.transfer import StagingPool, Transfer
 from mooncake_fixture import mooncake_master, mooncake_store  # noqa: F401
 
 BLOCK = 16  # tokens per block
 BLOCK_BYTES = 2 * BLOCK * 4 * 32 * 2  # K and V, 4 heads of 32 fp16: 8 KiB, one piece
-POOL = 8 * BLOCK_BYTES  # 64 KiB: loads get 16 KiB (2 blocks), saves 48 KiB in batches of 2 blocks
+STAGED_BYTES = BLOCK_BYTES + HEADER_BYTES  # a staged block and the room for its value header
+POOL = 8 * STAGED_BYTES  # 8 blocks: loads get 2, saves 6 in batches of 2
 SENTINEL = 0xEE
 
 
@@ -44,7 +46,7 @@ class SlowPuts:
 
 
 class Rig:
-    """One full-attention group in blocks-first tensors, a 64 KiB registered pool, an engine."""
+    """One full-attention group in blocks-first tensors, an 8-block registered pool, an engine."""
 
     def __init__(self, store) -> None:
         self.kv = torch.zeros(128, 2, BLOCK, 4, 32, dtype=torch.float16)
@@ -57,7 +59,7 @@ class Rig:
             namespace=f"test-staging-{uuid.uuid4().hex[:8]}",
         )
         self.pool = StagingPool(POOL)
-        assert (self.pool.share("save"), self.pool.share("load")) == (6 * BLOCK_BYTES, 2 * BLOCK_BYTES)
+        assert (self.pool.share("save"), self.pool.share("load")) == (6 * STAGED_BYTES, 2 * STAGED_BYTES)
         self.store = SlowPuts(store)
         self.pool.register(store.register_buffer)
         self.engine = OffloadEngine(self.planner, Transfer(self.layout, self.pool), self.store)
@@ -105,9 +107,9 @@ def rig(mooncake_store):
 
 
 def test_step_several_times_larger_than_the_pool_is_stored(rig):
-    """A 40-block step (320 KiB) through a 64 KiB pool: it streams in batches, waiting only
+    """A 40-block step (320 KiB) through an 8-block pool: it streams in batches, waiting only
     for its own earlier batches; every block is stored and loads back byte for byte (through
-    the 16 KiB load share: the load streams too)."""
+    the 2-block load share: the load streams too)."""
     hashes, table = rig.request(40)
     rig.engine.submit(saves=[SaveRequest("big", hashes, [table], 40 * BLOCK)])
     assert rig.engine.wait_idle(30)
@@ -128,7 +130,7 @@ def test_load_while_saves_fill_the_pool(rig):
     assert rig.engine.wait_idle(30) and not rig.engine.get_finished().saves_failed
     rig.store.delay = 0.3
     rig.store.putting.clear()
-    busy_hashes, busy_table = rig.request(8)  # 64 KiB of saves: the whole pool
+    busy_hashes, busy_table = rig.request(8)  # 8 blocks of saves: the whole pool
     writer = threading.Thread(
         target=rig.engine.submit, kwargs={"saves": [SaveRequest("busy", busy_hashes, [busy_table], 8 * BLOCK)]}
     )
@@ -145,7 +147,7 @@ def test_step_finding_the_pool_held_by_an_earlier_step_is_deferred(rig):
     """Step 1 fills the save share and its puts are slow. Step 2 does not wait for them: its
     save is deferred (counted, not failed), and the next step of the request stores it."""
     rig.store.delay = 1.0
-    first_hashes, first_table = rig.request(6)  # 48 KiB: the whole save share
+    first_hashes, first_table = rig.request(6)  # 6 blocks: the whole save share
     rig.engine.submit(saves=[SaveRequest("first", first_hashes, [first_table], 6 * BLOCK)])
     hashes, table = rig.request(4)
     start = time.monotonic()

@@ -55,14 +55,16 @@ def _rig(tp_size=1, ring=False):
     return planner, KVLayout(kv, names)
 
 
+@pytest.mark.parametrize("header_room", [0, 64])
 @pytest.mark.parametrize("tokens", [1, 16, 100, 512, 2048])
-def test_the_default_pool_holds_any_single_step(tokens):
+def test_the_default_pool_holds_any_single_step(tokens, header_room):
     """Whatever the request had computed before, one step of ``tokens`` tokens (its normal save
     and a partial tail at its end) fits the save share at once, and one block of every group
-    fits the loads' share."""
+    fits the loads' share; also with room for the value header staged before each block."""
     planner, layout = _rig()
-    pool = StagingPool(staging_bytes_for(layout, tokens, planner), pin=False)
+    pool = StagingPool(staging_bytes_for(layout, tokens, planner, header_room), pin=False)
     transfer = Transfer(layout, pool)
+    transfer.header_room = header_room
     hashes = [bytes([i % 256, i // 256]) * 16 for i in range((4096 + tokens) // 16)]
     tables = [list(range(1, NB)), list(range(1, NB))]
     for computed in range(0, 640, 40):

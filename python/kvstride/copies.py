@@ -4,8 +4,8 @@ the arena's slots and the staging pool alike.
 A copy moves every piece of a set of blocks: piece ``p`` of entry ``i`` lies at
 ``src_base[p] + src_index[i] * src_stride[p]`` on one side and ``dst_base[p] + dst_index[i] *
 dst_stride[p]`` on the other (a KV tensor: base of block 0, block id, block stride; a slot:
-the piece's offset in slot 0, slot id, slot size; staging: the piece array, the entry's
-position, the piece size)."""
+the piece's offset in slot 0, slot id, slot size; staging: the piece in the first entry's
+row, the entry's position, the row's bytes)."""
 
 from __future__ import annotations
 

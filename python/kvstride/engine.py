@@ -45,11 +45,20 @@ from typing import Dict, List, Optional, Sequence, Tuple, Union
 from kvstride._core import KeyPlanner
 from kvstride.layout import KVLayout
 from kvstride.stores import KVStore, Status
+from kvstride.stores.base import HEADER_BYTES
 from kvstride.transfer import ALIGNMENT, Fence, StagedBatch, StagingPool, Transfer
 
-__all__ = ["SaveRequest", "LoadRequest", "Finished", "OffloadEngine"]
+__all__ = ["SaveRequest", "LoadRequest", "Finished", "OffloadEngine", "header_room_for"]
 
 log = logging.getLogger("kvstride.engine")
+
+
+def header_room_for(store, layout: Optional[KVLayout]) -> int:
+    """Bytes the engine stages before each block's first piece: room for the value header,
+    where ``store`` writes it next to the payload (``KVStore.takes_header_room``) and the KV
+    cache is on CPU (the CUDA copies keep contiguous piece arrays); else 0."""
+    cpu_copies = layout is not None and (layout.device is None or layout.device.type != "cuda")  # as Transfer's
+    return HEADER_BYTES if cpu_copies and getattr(store, "takes_header_room", False) else 0
 
 
 @dataclass
@@ -177,6 +186,10 @@ class OffloadEngine:
         )
         if self._fused_digests:  # with a deployment secret the digest is the MAC's payload tag
             self.transfer.mac_secret = getattr(store, "mac_secret", None)
+        # The store writes each value's header into the room staged before its first piece.
+        if self.transfer is not None:
+            self.transfer.header_room = header_room_for(store, self.layout)
+        self._headers_staged = self.transfer is not None and self.transfer.header_room > 0
         self._num_blocks = None if self.layout is None else [g.num_blocks for g in self.layout.groups]
         self._block_bytes = None if self.layout is None else [g.block_bytes for g in self.layout.groups]
         # Blocks go straight between the KV tensors and a store that can copy them itself.
@@ -189,8 +202,10 @@ class OffloadEngine:
                 "instead of the layout"
             )
         if self.transfer is not None and not self.direct:
-            # Per group, what staging adds to its blocks' bytes at most (aligned piece arrays).
+            # Per group, what staging adds to its blocks' bytes at most: aligned piece arrays, and
+            # per block the header room.
             self._alignment_slack = [ALIGNMENT * len(g.pieces) for g in self.layout.groups]
+            self._staged_block_bytes = [g.block_bytes + self.transfer.header_room for g in self.layout.groups]
             self._batch_bytes = self._staging_limits()
         self.counters: collections.Counter = collections.Counter()
         # Per operation: the latest durations (bounded: the engine runs for the server's
@@ -558,7 +573,7 @@ class OffloadEngine:
         end, nbytes, groups = start, 0, set()
         while end < len(entries):  # a bound on the staged bytes of entries[start:end + 1]
             group = entries[end][1]
-            more = self._block_bytes[group] + (0 if group in groups else self._alignment_slack[group])
+            more = self._staged_block_bytes[group] + (0 if group in groups else self._alignment_slack[group])
             if end > start and nbytes + more > self._batch_bytes[lane]:
                 break
             nbytes += more
@@ -760,14 +775,19 @@ class OffloadEngine:
         item.fence.wait()
         keys = [key for key, _, _ in item.entries]
         put_start = time.perf_counter()
+        values, options = self._store_values(item.batch)
         if self._fused_digests:
-            statuses = self.store.put(keys, item.batch.all_parts(), digests=item.batch.digests)
-        else:
-            statuses = self.store.put(keys, item.batch.all_parts())
-        statuses = self._statuses(statuses, len(keys))
+            options["digests"] = item.batch.digests
+        statuses = self._statuses(self.store.put(keys, values, **options), len(keys))
         self._time("put", time.perf_counter() - put_start)
         self._release_batch(item.batch)
         self._count_puts(item.job, item.entries, statuses)
+
+    def _store_values(self, batch: StagedBatch):
+        """The batch's values as the store takes them, and the options that say so."""
+        if self._headers_staged:
+            return batch.value_parts(), {"header_room": True}
+        return batch.all_parts(), {}
 
     def _release_batch(self, batch: StagedBatch) -> None:
         """Give a staged batch's room back (once) and wake whoever waits for room."""
@@ -818,9 +838,10 @@ class OffloadEngine:
             try:
                 keys = [key for key, _, _ in batch_entries]
                 get_start = time.perf_counter()
+                values, options = self._store_values(batch)
                 if self._fused_digests:  # the store checks headers; the scatter checks bytes
                     expected = [0] * len(keys)
-                    statuses = self._statuses(self.store.get(keys, batch.all_parts(), digests_out=expected), len(keys))
+                    statuses = self._statuses(self.store.get(keys, values, digests_out=expected, **options), len(keys))
                     self._time("get", time.perf_counter() - get_start)
                     ok = [status is Status.OK for status in statuses]
                     self.transfer.scatter(batch, ok=ok, expected=expected).wait()
@@ -829,7 +850,7 @@ class OffloadEngine:
                         statuses[i] = Status.CORRUPT
                     self.store.corrupt([keys[i] for i in bad])
                 else:
-                    statuses = self._statuses(self.store.get(keys, batch.all_parts()), len(keys))
+                    statuses = self._statuses(self.store.get(keys, values, **options), len(keys))
                     self._time("get", time.perf_counter() - get_start)
                     self.transfer.scatter(batch, ok=[status is Status.OK for status in statuses], after=after).wait()
             finally:

@@ -18,6 +18,12 @@ of it, ``after=``): device -> host is a device-side gather into a temporary then
 :class:`Fence` holds a CUDA event; the caller's stream must wait for a gather's fence before it
 overwrites the blocks (``Fence.wait_stream``, no host sync).
 
+With ``Transfer.header_room`` set (the engine sets it on CPU for a store that takes it,
+``KVStore.takes_header_room``), each entry's first piece is staged after that many free bytes,
+room for the store's value header (``StagedBatch.value_parts``): the store then moves header
+and payload as one part fewer per value. (Not on CUDA: its copies are torch ops over
+contiguous piece arrays.)
+
 Scatter takes a per-entry mask (the store's statuses): entries that were not read correctly
 are never copied into a KV block.
 """
@@ -38,6 +44,11 @@ __all__ = ["StagingPool", "StagedBatch", "Transfer", "Fence", "staging_bytes_for
 
 #: Every staged piece array starts at a multiple of this many bytes.
 ALIGNMENT = 64
+
+
+def _row_bytes(pieces, room: int) -> list:
+    """Per piece, the staged bytes of one entry: the piece, and the header room before the first."""
+    return [p.size + (room if j == 0 else 0) for j, p in enumerate(pieces)]
 
 
 def _round(n: int, a: int = ALIGNMENT) -> int:
@@ -133,7 +144,7 @@ class StagingPool:
             self._free = merged
 
 
-def staging_bytes_for(layout: KVLayout, tokens_per_step: int, planner) -> int:
+def staging_bytes_for(layout: KVLayout, tokens_per_step: int, planner, header_room: int = 0) -> int:
     """A default staging pool size for ``layout``: what one step computing ``tokens_per_step``
     tokens (vLLM's ``max_num_batched_tokens``) can save on this rank, plus the loads' share.
 
@@ -145,7 +156,8 @@ def staging_bytes_for(layout: KVLayout, tokens_per_step: int, planner) -> int:
     TP striding (``planner.replication``), each group's run staged piece by piece at the pool's
     alignment. The pool gives saves at least that and loads ``LOAD_SHARE`` of it, at least one
     block of every group. A step whose saves exceed it (many requests crossing a block boundary
-    at once) still saves: its batches stream through the pool."""
+    at once) still saves: its batches stream through the pool. ``header_room``: what the
+    engine will stage before each block (``kvstride.engine.header_room_for``)."""
     tokens = int(tokens_per_step)
     if tokens <= 0:
         raise ValueError(f"tokens_per_step must be positive, got {tokens_per_step}")
@@ -156,8 +168,9 @@ def staging_bytes_for(layout: KVLayout, tokens_per_step: int, planner) -> int:
         if not per_block:
             continue
         blocks = _cdiv(_cdiv(reach, per_block * planner.hash_block_size), planner.replication(g))
-        save += sum(_round(blocks * p.size) for p in group.pieces)
-        largest = max(largest, sum(_round(p.size) for p in group.pieces))
+        rows = _row_bytes(group.pieces, header_room)
+        save += sum(_round(blocks * row) for row in rows)
+        largest = max(largest, sum(_round(row) for row in rows))
     save = max(save, largest)
     capacity = _round(max(int(save / (1 - LOAD_SHARE)), int(largest / LOAD_SHARE)))
     while capacity - _load_share(capacity) < save or _load_share(capacity) < largest:
@@ -187,7 +200,8 @@ class _GroupRun:
     group: int
     rows: list  # indices into StagedBatch.blocks
     ids: torch.Tensor  # int64 block ids (CPU)
-    piece_offs: list  # pool offset of each piece array (n x size_j)
+    piece_offs: list  # pool offset of each piece's bytes in the first entry's row
+    row_bytes: list  # per piece, the pool bytes from one entry's row to the next
 
 
 @dataclass
@@ -205,12 +219,21 @@ class StagedBatch:
     _released: bool = False
     digests: Optional[np.ndarray] = None  # per entry, set by gather(digests=True)
     verified: Optional[np.ndarray] = None  # per entry, set by scatter(expected=...)
+    header_room: int = 0  # bytes free in front of each entry's first part
 
     def parts(self, i: int) -> list:
         return self._parts[i]
 
     def all_parts(self) -> list:
         return list(self._parts)
+
+    def value_parts(self) -> list:
+        """Each entry's parts with the header room joined to the first: a whole stored value,
+        for ``store.put / get(..., header_room=True)``."""
+        room = self.header_room
+        if not room:
+            raise ValueError("this batch was staged without header room (Transfer.header_room)")
+        return [[(parts[0][0] - room, parts[0][1] + room), *parts[1:]] for parts in self._parts]
 
     def payload_view(self, i: int) -> list:
         """Block i's payload parts as uint8 tensor views of the pool (tests, debugging)."""
@@ -249,6 +272,7 @@ class Transfer:
         self.pool = pool
         self.device = layout.device or torch.device("cpu")
         self.cuda = self.device.type == "cuda"
+        self.header_room = 0  # CPU only: free bytes staged before each entry's first piece
         self.stream = (stream or torch.cuda.Stream(device=self.device)) if self.cuda else None
         # Per storage, per dtype width: a flat tensor over the whole storage.
         self._wide: dict = {}
@@ -291,7 +315,7 @@ class Transfer:
             counts[g] = counts.get(g, 0) + 1
         total = 0
         for g, n in counts.items():
-            total += sum(_round(n * p.size) for p in self.layout.groups[g].pieces)
+            total += sum(_round(n * row) for row in _row_bytes(self.layout.groups[g].pieces, self.header_room))
         return total
 
     def stage(self, blocks: Sequence[tuple], lane: Optional[str] = None) -> Optional[StagedBatch]:
@@ -311,21 +335,22 @@ class Transfer:
         off = self.pool.alloc(nbytes, lane)
         if off is None:
             return None
-        batch = StagedBatch(self.pool, blocks, off, nbytes)
+        batch = StagedBatch(self.pool, blocks, off, nbytes, header_room=self.header_room)
         batch._parts = [None] * len(blocks)
         cur = off
         base = self.pool.ptr
         for g, rows in by_group.items():
             n = len(rows)
             ids = torch.tensor([blocks[i][1] for i in rows], dtype=torch.int64)
-            piece_offs = []
-            for p in groups[g].pieces:
-                piece_offs.append(cur)
-                cur += _round(n * p.size)
-            batch.runs.append(_GroupRun(g, rows, ids, piece_offs))
             sizes = [p.size for p in groups[g].pieces]
+            row_bytes = _row_bytes(groups[g].pieces, self.header_room)
+            piece_offs = []
+            for size, row in zip(sizes, row_bytes):
+                piece_offs.append(cur + row - size)  # after the header room
+                cur += _round(n * row)
+            batch.runs.append(_GroupRun(g, rows, ids, piece_offs, row_bytes))
             for k, i in enumerate(rows):
-                batch._parts[i] = [(base + po + k * s, s) for po, s in zip(piece_offs, sizes)]
+                batch._parts[i] = [(base + po + k * row, s) for po, row, s in zip(piece_offs, row_bytes, sizes)]
         return batch
 
     # ---- copies ------------------------------------------------------------------------
@@ -359,8 +384,9 @@ class Transfer:
             keep = np.arange(len(run.rows)) if ok is None else np.flatnonzero([ok[i] for i in run.rows])
             base, stride, size = self._pieces[run.group]
             staged = np.uint64(self.pool.ptr) + np.array(run.piece_offs, dtype=np.uint64)
+            row_bytes = np.array(run.row_bytes, dtype=np.uint64)
             order = np.asarray(run.rows, dtype=np.int64)[keep]
-            runs.append(CopyRun(base, stride, run.ids.numpy()[keep], staged, size, keep, size, order))
+            runs.append(CopyRun(base, stride, run.ids.numpy()[keep], staged, row_bytes, keep, size, order))
         return copy_rows(runs)
 
     def _cpu_copy(self, batch: StagedBatch, to_pool: bool, ok=None, digests: bool = False, expected=None) -> Fence:

@@ -19,6 +19,9 @@ XXH3-64 next to it; bound to a KV layout it also copies blocks straight between 
 and its slots (``save_blocks`` / ``load_blocks``), which is what ``OffloadEngine`` uses. A
 Mooncake value is a 64-byte header followed by the parts' bytes in order: a format version,
 the layout fingerprint, a digest of the key, the payload length and the payload's XXH3-64.
+``put`` / ``get(..., header_room=True)`` (``KVStore.takes_header_room``): each value's first
+part starts with 64 bytes of room where the header is written and read, so it moves inside
+that part instead of one of its own (the engine stages values so on CPU); same stored bytes.
 
 With a deployment secret (``MooncakeStore(..., secret=)``, issue 17) the header is version 3: the
 digest field holds a keyed payload tag (an AEGIS-128X2 MAC of the payload) and the last 16

@@ -129,6 +129,26 @@ def _regions(buffers, writable: bool, allowed=()):
     return out, keep
 
 
+def _payload_after_header_room(regs) -> list:
+    """Each value's payload parts, for values whose first part starts with ``HEADER_BYTES`` of
+    room for the header (``header_room=True``): that part less its room (possibly empty); no
+    parts (so INVALID) for a value whose first part is shorter than the room."""
+    payloads = []
+    for parts in regs:
+        if not parts or parts[0][1] < HEADER_BYTES:
+            payloads.append([])
+            continue
+        (address, nbytes), rest = parts[0], parts[1:]
+        payloads.append([(address + HEADER_BYTES, nbytes - HEADER_BYTES), *rest])
+    return payloads
+
+
+def _with_header_room(payload) -> list:
+    """The inverse: the whole value's parts, the header room joined to the first payload part."""
+    (address, nbytes), rest = payload[0], payload[1:]
+    return [(address - HEADER_BYTES, nbytes + HEADER_BYTES), *rest]
+
+
 def _mv(addr: int, n: int) -> memoryview:
     return memoryview((ctypes.c_char * n).from_address(addr)).cast("B")
 
@@ -192,6 +212,10 @@ class KVStore:
     #: ``put(..., digests=)`` / ``get(..., digests_out=)`` / ``corrupt(keys)``: the caller
     #: hashes the payload while it copies it (``OffloadEngine`` on a CPU KV cache).
     takes_digests = False
+    #: ``put(..., header_room=True)`` / ``get(..., header_room=True)``: each value's first part
+    #: starts with ``HEADER_BYTES`` of room where the store writes (reads) the value header, so
+    #: header and payload move as one part fewer (a staging pool on CPU lays values out so).
+    takes_header_room = False
 
     def __init__(self, fingerprint: bytes = b"\0" * 8, verify: bool = True, secret: Optional[bytes] = None) -> None:
         # ``secret``: the deployment key (kvstride.secret.load_secret); every value written gets a
@@ -321,15 +345,18 @@ class KVStore:
                 return _BAD_MAC if self.mac_secret is not None else "payload hash mismatch"
         return ""
 
-    def _prepare(self, op: str, keys: list, buffers, writable: bool):
-        """The buffers as regions (and what keeps them alive), a per-key INVALID or None, the
-        dedup of the keys and each key's payload bytes; None, counted, when the whole call is
-        refused."""
+    def _prepare(self, op: str, keys: list, buffers, writable: bool, header_room: bool = False):
+        """The buffers' payloads as regions (and what keeps them alive), a per-key INVALID or
+        None, the dedup of the keys and each key's payload bytes; None, counted, when the whole
+        call is refused. ``header_room``: each value's first part starts with the header's room
+        (``takes_header_room``), left out of the payload regions."""
         try:
             regs, keep = _regions(buffers, writable, self._allowed)
         except (ValueError, TypeError) as e:
             self._note(op, Status.INVALID, len(keys), str(e))
             return None
+        if header_room:
+            regs = _payload_after_header_room(regs)
         if len(regs) != len(keys):
             self._note(op, Status.INVALID, len(keys), "keys and buffers differ in length")
             return None

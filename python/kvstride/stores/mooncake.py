@@ -4,6 +4,7 @@ registered buffers, values in the format of :mod:`kvstride.stores.base`."""
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import logging
 import os
 import threading
@@ -21,7 +22,17 @@ from kvstride.mooncake_config import (
     missing_library,
     resolve_local_hostname,
 )
-from kvstride.stores.base import HEADER_BYTES, _BAD_CONTENT, _BAD_MAC, _HDR, _MAC_REJECTS, KVStore, Status, _copy_parts
+from kvstride.stores.base import (
+    HEADER_BYTES,
+    _BAD_CONTENT,
+    _BAD_MAC,
+    _HDR,
+    _MAC_REJECTS,
+    KVStore,
+    Status,
+    _copy_parts,
+    _with_header_room,
+)
 from kvstride.stores.mooncake_master import MasterProcess, _port_open, start_master
 
 __all__ = ["MooncakeStore"]
@@ -62,6 +73,7 @@ class MooncakeStore(KVStore):
     """
 
     takes_digests = True
+    takes_header_room = True
 
     def __init__(
         self,
@@ -262,21 +274,31 @@ class MooncakeStore(KVStore):
             self._note("exists", Status.UNAVAILABLE, bad, f"batch_is_exist codes {sorted(set(x for x in codes if x < 0))}")
         return [x == 1 for x in codes]
 
-    def _headers(self, n: int) -> np.ndarray:
-        return np.zeros(max(n, 1) * HEADER_BYTES, dtype=np.uint8)
+    @staticmethod
+    def _value_parts(payloads, header_room: bool):
+        """Each value's Mooncake parts (header, then payload) and its header's address, and
+        what keeps a header buffer alive: the caller's room in front of the first payload part
+        (one part fewer per value), else a part of its own in a fresh buffer."""
+        if header_room:
+            values = [_with_header_room(payload) for payload in payloads]
+            return values, [value[0][0] for value in values], None
+        headers = np.zeros(max(len(payloads), 1) * HEADER_BYTES, dtype=np.uint8)
+        heads = [headers.ctypes.data + j * HEADER_BYTES for j in range(len(payloads))]
+        return [[(head, HEADER_BYTES), *payload] for head, payload in zip(heads, payloads)], heads, headers
 
-    def put(self, keys, buffers, digests=None):
+    def put(self, keys, buffers, digests=None, header_room=False):
         """``digests``: each value's payload XXH3-64 when the caller computed it while copying
-        the bytes (``Transfer.gather(batch, digests=True)``), so they are not read again here."""
+        the bytes (``Transfer.gather(batch, digests=True)``), so they are not read again here.
+        ``header_room``: see ``KVStore.takes_header_room``."""
         keys = list(keys)
-        prepared = self._prepare("put", keys, buffers, writable=False)
+        # With header room the header is written into the caller's buffer.
+        prepared = self._prepare("put", keys, buffers, writable=header_room, header_room=header_room)
         if prepared is None:
             return [Status.INVALID] * len(keys)
         regs, _keep, out, first, uniq, totals = prepared  # _keep: the buffers stay alive for the call
         todo = [i for i in uniq if out[i] is None]
         if todo:
-            hdr = self._headers(len(todo))
-            hbase = hdr.ctypes.data
+            values, heads, _headers = self._value_parts([regs[i] for i in todo], header_room)  # alive for the call
             if not self.verify and self.mac_secret is None:
                 digests = [None] * len(todo)
             elif digests is not None and len(digests) == len(keys):
@@ -287,11 +309,10 @@ class MooncakeStore(KVStore):
             if self.mac_secret is not None:  # one call for the batch's header MACs
                 lengths = [sum(n for _, n in regs[i]) for i in todo]
                 macs = self.mac_secret.header_macs([keys[i] for i in todo], lengths, [int(d) for d in digests])
-            hdr[: len(todo) * HEADER_BYTES] = np.frombuffer(
-                b"".join(self._make_header(keys[i], regs[i], digests[j], macs[j]) for j, i in enumerate(todo)), np.uint8
-            )
-            ptrs = [[hbase + j * HEADER_BYTES] + [a for a, _ in regs[i]] for j, i in enumerate(todo)]
-            sizes = [[HEADER_BYTES] + [n for _, n in regs[i]] for i in todo]
+            for j, (i, head) in enumerate(zip(todo, heads)):
+                ctypes.memmove(head, self._make_header(keys[i], regs[i], digests[j], macs[j]), HEADER_BYTES)
+            ptrs = [[a for a, _ in value] for value in values]
+            sizes = [[n for _, n in value] for value in values]
             codes = self._call("put", "batch_put_from_multi_buffers", [keys[i] for i in todo], ptrs, sizes)
             for i, rc in zip(todo, codes):
                 out[i] = _status_of(rc, "put")
@@ -321,14 +342,15 @@ class MooncakeStore(KVStore):
         self._saw(codes)
         return codes
 
-    def get(self, keys, buffers, digests_out=None):
+    def get(self, keys, buffers, digests_out=None, header_room=False):
         """``digests_out``: a list as long as ``keys``; when given (and verifying), the payload
         hashes are not checked here: each OK key's entry is set to the digest its header
         carries, and the caller must check the bytes against it before they reach a KV block
         (``Transfer.scatter(batch, ok, expected=digests_out)`` does, hashing while it copies)
-        and report the keys that failed with :meth:`corrupt`."""
+        and report the keys that failed with :meth:`corrupt`. ``header_room``: see
+        ``KVStore.takes_header_room``."""
         keys = list(keys)
-        prepared = self._prepare("get", keys, buffers, writable=True)
+        prepared = self._prepare("get", keys, buffers, writable=True, header_room=header_room)
         if prepared is None:
             return [Status.INVALID] * len(keys)
         regs, _keep, out, first, uniq, totals = prepared  # _keep: the buffers stay alive for the call
@@ -336,23 +358,21 @@ class MooncakeStore(KVStore):
         corrupt = []
         defer = self.verify and digests_out is not None and len(digests_out) == len(keys)
         if todo:
-            hdr = self._headers(len(todo))
-            hbase = hdr.ctypes.data
-            ptrs = [[hbase + j * HEADER_BYTES] + [a for a, _ in regs[i]] for j, i in enumerate(todo)]
-            sizes = [[HEADER_BYTES] + [n for _, n in regs[i]] for i in todo]
+            values, heads, _headers = self._value_parts([regs[i] for i in todo], header_room)  # alive for the call
+            ptrs = [[a for a, _ in value] for value in values]
+            sizes = [[n for _, n in value] for value in values]
             codes = self._call("get", "batch_get_into_multi_buffers", [keys[i] for i in todo], ptrs, sizes)
             hashes: dict = {}
             if self.verify and not defer:  # every full-sized value's payload, hashed in place in one call
                 full = [j for j, (i, rc) in enumerate(zip(todo, codes)) if rc == HEADER_BYTES + totals[i]]
                 hashes = dict(zip(full, self._payload_digests([regs[todo[j]] for j in full])))
-            headers = hdr.tobytes()
-            for j, (i, rc) in enumerate(zip(todo, codes)):
+            for j, (i, rc, head) in enumerate(zip(todo, codes, heads)):
                 st = _status_of(rc, "get")
                 why = ""
                 if st is Status.OK:
                     want = HEADER_BYTES + totals[i]
                     why = f"value is {rc} B, expected {want}" if rc != want else ""
-                    header = headers[j * HEADER_BYTES : (j + 1) * HEADER_BYTES]
+                    header = ctypes.string_at(head, HEADER_BYTES)
                     why = why or self._check(keys[i], header, regs[i], payload_hash=hashes.get(j), defer_payload=defer)
                     if defer and not why:
                         digests_out[i] = _HDR.unpack_from(header, 0)[-1]

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Dict, Optional, Tuple
 
 from kvstride.arena import ArenaPlacement, ArenaSlots, slots_for
+from kvstride.engine import header_room_for
 from kvstride.mooncake_config import parse_size, resolve_client_config
 from kvstride.stores import KVStore, MooncakeStore
 from kvstride.stores.placement import StorePlacement
@@ -146,8 +147,8 @@ def engine_transfer(store, layout, extra: dict, step_tokens: int, planner):
         return layout
     if "staging_bytes" in extra:
         staging_bytes = parse_size(extra["staging_bytes"], "staging_bytes")
-    else:
-        staging_bytes = staging_bytes_for(layout, step_tokens, planner)
+    else:  # with room for each block's value header where the engine stages one
+        staging_bytes = staging_bytes_for(layout, step_tokens, planner, header_room_for(store, layout))
     pool = StagingPool(staging_bytes)
     try:
         pool.register(store.register_buffer)
