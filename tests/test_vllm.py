@@ -28,7 +28,7 @@ import kvstride.vllm as kv_vllm  # noqa: E402
 from kvstride.vllm import scheduler as vllm_scheduler  # noqa: E402
 import vllm_harness as harness  # noqa: E402
 from kvstride.arena import HostArena  # noqa: E402
-from kvstride.stores import MooncakeStore, Status  # noqa: E402
+from kvstride.stores import HEADER_BYTES, MooncakeStore, Status  # noqa: E402
 from vllm_fixtures import model_dirs, plain_outputs  # noqa: E402,F401  (fixtures)
 from mooncake_fixture import fresh_master, mooncake_master  # noqa: E402,F401  (fixtures)
 
@@ -193,8 +193,8 @@ class _FailingLoads:
                 store.remove(keys[-1:])
             statuses = original(store, keys, buffers, **kwargs)
             if how == "corrupt":  # payload bytes changed under an intact header: only the digest sees it
-                addr, _ = buffers[-1][0]
-                ctypes.c_uint8.from_address(addr).value ^= 0xFF
+                addr, nbytes = buffers[-1][0]  # the first part, maybe with the header's room in front
+                ctypes.c_uint8.from_address(addr + nbytes - 1).value ^= 0xFF
             return statuses
 
         monkeypatch.setattr(MooncakeStore, "get", get)
@@ -488,12 +488,13 @@ def _p1_then_p2_local(llm) -> dict:
 
 
 def test_step_larger_than_the_staging_pool_is_stored_and_hits(model_dirs, plain_run, mooncake_master):
-    """Mooncake with a 64 KiB staging pool and a prefill step of 240 KiB (and a load of
-    192 KiB): the step's saves stream through the pool, P2 hits exactly its 384 shared tokens
-    after a forced miss, no save or load fails, and the output equals a plain engine's with
-    the same settings."""
+    """Mooncake with a staging pool of four 16 KiB blocks (each staged after its 64-byte value
+    header) and a prefill step of 240 KiB (and a load of 192 KiB): the step's saves stream
+    through the pool, P2 hits exactly its 384 shared tokens after a forced miss, no save or
+    load fails, and the output equals a plain engine's with the same settings."""
     name = "llama"
-    store = dict(_store_config("mooncake", mooncake_master, f"staging-{os.getpid()}"), staging_bytes=64 << 10)
+    four_blocks = 4 * ((16 << 10) + HEADER_BYTES)  # the loads' quarter holds one block
+    store = dict(_store_config("mooncake", mooncake_master, f"staging-{os.getpid()}"), staging_bytes=four_blocks)
     llm = LLM(**harness.engine_kwargs(harness.MODELS[name], model_dirs[name], connector=store, **ONE_STEP))
     try:
         sched, worker = _connectors(llm)
