@@ -58,7 +58,11 @@ vllm-setup: $(VLLM_PY) system-deps
 test-vllm: vllm-setup
 	$(VLLM_PY) -c "import vllm, torch, kvstride.vllm"
 	VLLM_ENABLE_V1_MULTIPROCESSING=0 $(VLLM_PY) -m pytest -q -p no:logging tests/test_vllm.py \
-	  tests/test_vllm_stats.py tests/test_vllm_checks.py tests/test_vllm_surface.py tests/test_vllm_lifecycle.py tests/test_vllm_guards.py tests/test_vllm_scheduler.py tests/test_vllm_secret.py tests/test_vllm_serve.py
+	  tests/test_vllm_stats.py tests/test_vllm_checks.py tests/test_vllm_surface.py tests/test_vllm_lifecycle.py tests/test_vllm_guards.py tests/test_vllm_scheduler.py tests/test_vllm_secret.py
+	# The server and TP tier in a fresh process: after the in-process tiers in the same process the
+	# TP=2 Mooncake engines' calls starved (RPC timeouts, lost hits) in CI runs on this 2-core
+	# machine, never when the tier ran alone (not root-caused).
+	VLLM_ENABLE_V1_MULTIPROCESSING=0 $(VLLM_PY) -m pytest -q -p no:logging tests/test_vllm_serve.py
 
 test: test-rust test-python test-vllm
 
