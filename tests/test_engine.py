@@ -736,11 +736,13 @@ def test_blocks_valid_only_in_their_step_are_staged_first(rig_factory, mix, firs
 
 
 def test_deferred_step_counts_its_dropped_tail(rig_factory):
-    """A step whose staging room is held by an earlier step is deferred whole; its partial
-    tail (a hand-off block, valid only in that step) is counted as dropped, never stored, and
-    the normal save is stored by the request's next step."""
+    """A step whose staging room is held by an earlier step's put that stalled (longer than
+    ``save_wait_s``) is deferred whole; its partial tail (a hand-off block, valid only in that
+    step) is counted as dropped, never stored, and the normal save is stored by the request's
+    next step."""
     rig, spy = spy_rig(rig_factory, "fa+mamba", pool_bytes=4096)  # saves: 3 KiB, batches of 5 FA blocks
     assert rig.pool.share("save") == 3072
+    rig.engine.save_wait_s = 0.1
 
     def slow_put(keys, buffers):
         time.sleep(0.5)
@@ -829,3 +831,12 @@ def test_planning_only_engine_starts_no_threads_and_moves_no_blocks(rig_factory)
     finally:
         assert planning.shutdown(timeout=5)
         assert planning.wait_idle(timeout=5)
+
+
+@pytest.mark.parametrize("value", [-1, float("nan"), float("inf"), "soon", True, None])
+def test_bad_save_wait_is_refused_at_construction(rig_factory, value):
+    """``save_wait_s`` (``kv_connector_extra_config``) that is not a finite number of seconds
+    >= 0 is a ValueError naming it, before any lane starts."""
+    rig = rig_factory("fa")
+    with pytest.raises(ValueError, match="save_wait_s"):
+        OffloadEngine(rig.planner, None, rig.store, save_wait_s=value)

@@ -1,8 +1,8 @@
 """Saves and loads through the staging pool on a real Mooncake master (the embedded store
 bypasses staging, which is how saves larger than the pool went unnoticed): a step several times
 larger than the pool is stored whole and loads back byte for byte, a load that arrives while
-saves fill the pool succeeds, and a step that finds the pool held by an earlier step is
-deferred (never waits for it) and stored by the next step."""
+saves fill the pool succeeds, and a step that finds the pool held by an earlier step waits for
+it while the store keeps up, and is deferred to the next step only when the store stalled."""
 
 from __future__ import annotations
 
@@ -143,9 +143,33 @@ def test_load_while_saves_fill_the_pool(rig):
     assert rig.engine.saved_offset("busy") == 8 * BLOCK  # the saves went on
 
 
-def test_step_finding_the_pool_held_by_an_earlier_step_is_deferred(rig):
-    """Step 1 fills the save share and its puts are slow. Step 2 does not wait for them: its
-    save is deferred (counted, not failed), and the next step of the request stores it."""
+def test_step_finding_the_pool_held_by_an_earlier_step_waits_while_the_store_keeps_up(rig):
+    """Step 1 fills the save share and each of its puts takes 0.3 s, well within
+    ``save_wait_s``. Step 2 waits for that room instead of deferring: a deferred window block
+    or partial tail is freed by vLLM before the next step could save it. Both steps are stored
+    whole, nothing is deferred."""
+    assert rig.engine.save_wait_s > 0.3
+    rig.store.delay = 0.3
+    first_hashes, first_table = rig.request(6)  # 6 blocks: the whole save share
+    rig.engine.submit(saves=[SaveRequest("first", first_hashes, [first_table], 6 * BLOCK)])
+    hashes, table = rig.request(4)
+    rig.engine.submit(saves=[SaveRequest("later", hashes, [table], 4 * BLOCK)])
+    assert rig.engine.wait_idle(30)
+    done = rig.engine.get_finished()
+    assert done.saves_done == {"first", "later"} and not done.saves_failed and not done.saves_deferred
+    c = rig.engine.counters
+    assert c["saves_ok"] == 2 and not c["saves_deferred"] and not c["save_job_errors"]
+    assert rig.engine.saved_offset("later") == 4 * BLOCK
+    rig.store.delay = 0.0
+    rig.load_and_compare("first", first_hashes, first_table)
+    rig.load_and_compare("later", hashes, table)
+
+
+def test_step_finding_the_pool_held_by_a_stalled_store_is_deferred(rig):
+    """Step 1 fills the save share and its puts take 1 s, longer than ``save_wait_s``: the store
+    has stalled. Step 2 does not stall with it: after at most ``save_wait_s`` its save is
+    deferred (counted, not failed), and the next step of the request stores it."""
+    rig.engine.save_wait_s = 0.2
     rig.store.delay = 1.0
     first_hashes, first_table = rig.request(6)  # 6 blocks: the whole save share
     rig.engine.submit(saves=[SaveRequest("first", first_hashes, [first_table], 6 * BLOCK)])

@@ -67,7 +67,7 @@ def engine_totals():
         lookups=2, lookup_hit_tokens=32, lookup_tokens=64, lookup_keys=9, lookup_errors=1,
         bytes_loaded=4096, bytes_stored=8192, get_ok=5, put_ok=7, put_skipped_present=3,
         get_missing=1, get_corrupt=2, put_full=4, loads_ok=1, loads_failed=1, saves_ok=2,
-        saves_failed=1, load_job_errors=1, tail_ok=4, worker_errors=1,
+        saves_failed=1, saves_deferred=2, load_job_errors=1, tail_ok=4, worker_errors=1,
     )  # fmt: skip
     seconds = collections.Counter(get=0.5, put=0.25, lookup=0.125, load_job=0.75, save_stage=0.375)
     return counters, seconds
@@ -78,7 +78,7 @@ def test_delta_names_the_engine_counters_it_exports():
     stats = stats_delta(counters, seconds, {})
     assert stats.data == {
         "lookups": 2, "lookup_hit_tokens": 32, "lookup_tokens": 64,
-        "bytes_loaded": 4096, "bytes_stored": 8192, "puts_skipped_present": 3,
+        "bytes_loaded": 4096, "bytes_stored": 8192, "puts_skipped_present": 3, "saves_deferred": 2,
         "load_seconds": 0.5, "save_seconds": 0.25,
         "failed:get_missing": 1, "failed:get_corrupt": 2, "failed:put_full": 4,
         "failed:loads_failed": 1, "failed:saves_failed": 1, "failed:load_job_errors": 1,
@@ -169,7 +169,8 @@ def test_reduce_is_a_stable_flat_summary():
     )  # fmt: skip
     assert list(stats.reduce().items()) == [
         ("lookups", 4), ("lookup_hit_tokens", 48), ("lookup_tokens", 64),
-        ("bytes_loaded", 0), ("bytes_stored", 0), ("puts_skipped_present", 0), ("lookup_hit_rate", 0.75),
+        ("bytes_loaded", 0), ("bytes_stored", 0), ("puts_skipped_present", 0), ("saves_deferred", 0),
+        ("lookup_hit_rate", 0.75),
         ("load_seconds", 0.012), ("save_seconds", 0.0),
         ("failed:get_corrupt", 2), ("failed:put_full", 1),
     ]  # fmt: skip
@@ -261,11 +262,13 @@ def test_worker_and_scheduler_stats_reach_the_log_line_and_prometheus(prom, vllm
     logging.log(log_fn=lambda fmt, *args: lines.append(fmt % args))
     assert lines == [
         "KV Transfer metrics: lookups=3, lookup_hit_tokens=16, lookup_tokens=48, bytes_loaded=8192, "
-        "bytes_stored=16384, puts_skipped_present=6, lookup_hit_rate=0.333, load_seconds=1.0, save_seconds=0.5, "
+        "bytes_stored=16384, puts_skipped_present=6, saves_deferred=4, lookup_hit_rate=0.333, load_seconds=1.0, "
+        "save_seconds=0.5, "
         "failed:get_corrupt=4, failed:get_missing=2, failed:load_job_errors=2, failed:loads_failed=2, "
         "failed:lookup_errors=2, failed:put_full=8, failed:saves_failed=2"
     ]
     assert sample("vllm:kvstride_lookups_total") == 3
     assert sample("vllm:kvstride_bytes_stored_total") == 16384
+    assert sample("vllm:kvstride_saves_deferred_total") == 4
     assert sample("vllm:kvstride_load_seconds_total") == 1.0
     assert sample("vllm:kvstride_failures_total", outcome="put_full") == 8

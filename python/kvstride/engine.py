@@ -23,12 +23,16 @@ only after every put of its save succeeded; a load whose bytes might be wrong is
 scattered into a KV block.
 
 Staging (any store but the embedded arena): a step's saves stream through the pool's save
-share, and a step waits only for its own earlier batches to be put, never for an earlier
-step's. When earlier steps' batches hold the share and none of this step's are in flight, the
-rest of the step is deferred, not failed: counted (``saves_deferred``), its requests' planned
-offsets go back, and their next step plans those blocks again. Puts a later step may not plan
-again (partial-tail hand-offs, window-group blocks) are staged first; a tail deferred all the
-same is lost (``tails_dropped``). Loads stage in the pool's load share, which saves never take.
+share. While the share is full the step waits for staged batches (its own or earlier steps')
+to be put, as long as the store keeps up: the save lane's running put began less than
+``save_wait_s`` ago. A store that keeps up costs the step a wait, never blocks: deferring
+instead would lose what a later step cannot plan again, window-group blocks that left vLLM's
+window and partial-tail hand-offs (so a hit boundary the other groups reach). A stalled store
+(one put longer than ``save_wait_s``) does not stall vLLM's step: the rest of the step is
+deferred, not failed: counted (``saves_deferred``), its requests' planned offsets go back, and
+their next step plans those blocks again. Puts a later step may not plan again are staged
+first; a tail deferred all the same is lost (``tails_dropped``). Loads stage in the pool's load
+share, which saves never take.
 """
 
 from __future__ import annotations
@@ -151,6 +155,27 @@ _STOP = object()
 #: Durations kept per operation for percentiles.
 TIMINGS_KEPT = 10_000
 
+#: How long a save lane's put may run before the store counts as stalled: a step that finds the
+#: staging pool full waits for room while the running put is younger, and defers after.
+DEFAULT_SAVE_WAIT_S = 2.0
+
+#: How often a waiter for staging room checks whether the running put has stalled.
+_ROOM_CHECK_S = 0.05
+
+
+def check_save_wait(value) -> float:
+    """``save_wait_s`` as seconds, or ``ValueError`` naming it."""
+    try:
+        seconds = float(value)
+    except (TypeError, ValueError):
+        seconds = float("nan")
+    if isinstance(value, bool) or not seconds >= 0 or seconds == float("inf"):
+        raise ValueError(
+            f"save_wait_s must be a finite number of seconds >= 0 (how long a store put may run before a step "
+            f"full of saves defers instead of waiting), got {value!r}"
+        )
+    return seconds
+
 
 class OffloadEngine:
     """Drives one rank's offloading through ``planner`` (the core) and ``store``.
@@ -169,7 +194,9 @@ class OffloadEngine:
         store: KVStore,
         *,
         name: str = "kvstride-engine",
+        save_wait_s: float = DEFAULT_SAVE_WAIT_S,
     ) -> None:
+        self.save_wait_s = check_save_wait(save_wait_s)
         self.planner = planner
         self.store = store
         if isinstance(transfer, KVLayout):
@@ -225,6 +252,7 @@ class OffloadEngine:
         self._save_queue: "queue.Queue" = queue.Queue()
         self._pool_freed = threading.Condition(self._lock)  # a staged batch was released
         self._releases = 0  # staged batches released so far: a waiter sees room come back
+        self._put_started: Optional[float] = None  # when the save lane's running put began
         self._step = 0
         self._closed = False
         # A planning-only engine (no KV tensors: a scheduler) runs no transfers, so no lanes.
@@ -529,6 +557,8 @@ class OffloadEngine:
 
     def _execute_put(self, item: _PutBatch) -> None:
         job = item.job
+        with self._lock:
+            self._put_started = time.monotonic()
         try:
             self._put(item)
         except Exception as err:  # never into the driver: fail the batch's saves, keep going
@@ -537,6 +567,8 @@ class OffloadEngine:
             with self._lock:
                 job.failed.update(rid for key, _, _ in item.entries for rid in job.owners[key])
         finally:
+            with self._lock:
+                self._put_started = None
             self._release_batch(item.batch)
             with self._lock:
                 job.in_flight -= 1
@@ -594,7 +626,7 @@ class OffloadEngine:
                 while self._releases == releases:
                     if not room_coming():
                         return start, None
-                    self._pool_freed.wait()
+                    self._pool_freed.wait(_ROOM_CHECK_S)  # a release wakes it at once
 
     def plan_saves(self, saves: Sequence[SaveRequest], states: Sequence["_RequestState"], known, planner=None):
         """The core's plans for ``saves`` (normal save and partial tail) from each request's
@@ -669,8 +701,8 @@ class OffloadEngine:
     def _stage_saves(self, job: _SaveJob) -> None:
         """Plan ``job``'s saves with the core, drop keys the store has (one existence call),
         and copy the remaining blocks into staging batch by batch, each handed to the save
-        lane at once. While the pool is full, wait for this job's own batches to be put; with
-        none of them in flight (earlier steps hold the pool) defer the rest."""
+        lane at once. While the pool is full, wait for staged batches to be put while the store
+        keeps up (``_save_room_coming``); once it has stalled, defer the rest."""
         entries, job.owners, job.ends, job.failed, job.tail_keys = self._plan_saves(job.saves, job.states, self.store.exists)
         self._stage_entries(job, entries)
 
@@ -678,13 +710,9 @@ class OffloadEngine:
         """Copy ``entries`` into staging batch by batch, each handed to the save lane at once
         (``_stage_saves``)."""
         start_time = time.perf_counter()
-
-        def own_batch_in_flight() -> bool:
-            return not self._closed and job.in_flight > 0
-
         position = 0
         while position < len(entries):
-            end, batch = self._stage_run(entries, position, "save", own_batch_in_flight)
+            end, batch = self._stage_run(entries, position, "save", self._save_room_coming)
             if batch is None:
                 if self._closed:
                     self._refuse(job)
@@ -709,6 +737,15 @@ class OffloadEngine:
             position = end
         self._time("save_stage", time.perf_counter() - start_time)
 
+    def _save_room_coming(self) -> bool:
+        """(Under the lock) Whether staged save batches will be released without the store
+        stalling: puts are queued or running, and the running one began less than
+        ``save_wait_s`` ago."""
+        if self._closed or not self._save_queue.unfinished_tasks:
+            return False
+        started = self._put_started
+        return started is None or time.monotonic() - started < self.save_wait_s
+
     def _refuse(self, job: _SaveJob) -> None:
         """Shut down while staging: nothing more of ``job`` may reach the store."""
         with self._lock:
@@ -719,6 +756,13 @@ class OffloadEngine:
         """Leave ``rest`` to a later step: its requests plan those blocks again from their
         confirmed offset. Tail puts among them are lost (hand-off blocks are valid only in the
         step that offered them)."""
+        self._log_once(
+            "save-deferred",
+            "kvstride: a store put ran longer than save_wait_s=%.1f s with the staging pool full: this step's "
+            "remaining saves are deferred (counted as saves_deferred); blocks a later step cannot save again "
+            "(window blocks that left the window, partial tails) are lost",
+            self.save_wait_s,
+        )
         deferred = {rid for key, _, _ in rest for rid in job.owners[key]}
         tails_lost = {rid for key, _, _ in rest if key in job.tail_keys for rid in job.owners[key]}
         with self._lock:

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from typing import List, Optional
 
 import kvstride
+from kvstride.engine import DEFAULT_SAVE_WAIT_S, check_save_wait
 from kvstride.secret import load_secret
 from kvstride.vllm.store_registry import StoreChoice, choose_store
 
@@ -117,6 +118,7 @@ class ConnectorConfig:
     secret: Optional[bytes]
     store: StoreChoice  # which store, and what its kind decides for the rest
     world_size: int
+    save_wait_s: float = DEFAULT_SAVE_WAIT_S  # the workers' engines' (kvstride.engine)
 
 
 def resolve_config(vllm_config, kv_cache_config, worker: bool) -> ConnectorConfig:
@@ -159,4 +161,5 @@ def resolve_config(vllm_config, kv_cache_config, worker: bool) -> ConnectorConfi
     # The scheduler plans every rank's saves and loads; a worker executes its own.
     rank_planners = [planner] + [planner_of(rank) for rank in range(1, tp_size)] if not worker else [planner]
     world_size = max(1, int(getattr(pc, "world_size", 1) or 1))
-    return ConnectorConfig(extra, groups, fp, planner, rank_planners, tp_rank, secret, store, world_size)
+    save_wait_s = check_save_wait(extra.get("save_wait_s", DEFAULT_SAVE_WAIT_S))
+    return ConnectorConfig(extra, groups, fp, planner, rank_planners, tp_rank, secret, store, world_size, save_wait_s)

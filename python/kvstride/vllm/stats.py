@@ -45,6 +45,7 @@ COUNTED = {
     "bytes_loaded": "bytes_loaded",
     "bytes_stored": "bytes_stored",
     "puts_skipped_present": "put_skipped_present",
+    "saves_deferred": "saves_deferred",
 }
 #: Stats name -> the engine operation whose total seconds it is the delta of (store calls).
 TIMED = {"load_seconds": "get", "save_seconds": "put"}
@@ -131,6 +132,10 @@ SERIES = {
     "puts_skipped_present": (
         "vllm:kvstride_puts_skipped_present",
         "Blocks not put because the kvstride store already had them.",
+    ),
+    "saves_deferred": (
+        "vllm:kvstride_saves_deferred",
+        "Request saves left to the request's next step because the store stalled with the staging pool full.",
     ),
 }
 FAILURES_SERIES = (

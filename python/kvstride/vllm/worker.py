@@ -41,6 +41,7 @@ class WorkerSide(Outcomes):
         self.tp_rank = config.tp_rank  # which of each plan's per-rank lists is this worker's
         self.store = store  # the Mooncake client, or the arena's slots (kvstride.arena.ArenaSlots)
         self._extra = config.extra
+        self._save_wait_s = config.save_wait_s
         self._vllm_config = vllm_config
         self._kv_cache_config = kv_cache_config
         self.engine: Optional[OffloadEngine] = None  # once the KV caches are registered
@@ -61,7 +62,9 @@ class WorkerSide(Outcomes):
         layout = KVLayout(kv_caches, [list(g.layer_names) for g in cfg.kv_cache_groups], num_blocks=int(cfg.num_blocks))
         step_tokens = int(self._vllm_config.scheduler_config.max_num_batched_tokens)
         transfer = engine_transfer(self.store, layout, self._extra, step_tokens, self.planner)
-        self.engine = OffloadEngine(self.planner, transfer, self.store, name="kvstride-worker")
+        self.engine = OffloadEngine(
+            self.planner, transfer, self.store, name="kvstride-worker", save_wait_s=self._save_wait_s
+        )
 
     def start_load_kv(self, meta: Optional[KVStrideMetadata]) -> None:
         """Hand this step's loads to the load lane and return: vLLM keeps their requests
