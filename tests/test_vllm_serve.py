@@ -134,6 +134,7 @@ def store_serve(workdir, base_env):
     in (the engines are pure clients); yields the engines' config file (MOONCAKE_CONFIG_PATH)."""
     config, log_path = workdir / "mooncake.json", workdir / "store-serve.log"
     argv = [sys.executable, "-m", "kvstride.cli", "store", "serve", "--bytes", "256M", "--config-out", str(config)]
+    argv += ["--log-dir", str(workdir)]  # the master's warnings, next to the engines' logs
     with open(log_path, "w") as log:
         proc = subprocess.Popen(argv, env=base_env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     try:
@@ -143,6 +144,7 @@ def store_serve(workdir, base_env):
             assert time.monotonic() < deadline, f"store serve wrote no {config}: {_tail(log_path)}"
             time.sleep(0.05)
         assert json.loads(config.read_text())["global_segment_size"] == 0
+        assert list(workdir.glob("master-*.log")), "store serve --log-dir kept no master log"
         yield config
     finally:
         _stop(proc)
@@ -515,7 +517,7 @@ def test_tensor_parallel_mooncake_within_across_engines_and_tp_sizes(
     job = dict(model=TP_MODEL, path=model_dirs[TP_MODEL], connector=_store("mooncake", tag))
     env = _tp2_env(base_env, "mooncake", store_serve)
     (a,) = _run_engines(workdir, env, [dict(job, backend="mp", tp=2, phases="scenario")], "tp2-mooncake-a")
-    assert a["hits"] == SCENARIO_HITS, a
+    assert a["hits"] == SCENARIO_HITS, f"engine A: hits {a['hits']}, kvstride {a['kvstride']}"
     assert _mismatches(_outputs(a["outputs"]), plain_tp2) == [], "engine A (TP=2, Mooncake)"
     (b,) = _run_engines(workdir, env, [dict(job, backend="mp", tp=2, phases=["p2"])], "tp2-mooncake-b")
     # P2 whole, when every put of A reached the store; when some did not (see below: the
@@ -523,7 +525,7 @@ def test_tensor_parallel_mooncake_within_across_engines_and_tp_sizes(
     # the prefix A loaded P2 from.
     a_failed = a["kvstride"].get("vllm:kvstride_failures", 0)
     expected = {harness.PROMPT_TOKENS - 32} | ({harness.SHARED_TOKENS} if a_failed else set())
-    assert b["hits"]["p2"] in expected, (a_failed, b)
+    assert b["hits"]["p2"] in expected, f"engine A failures {a_failed}; B: hits {b['hits']}, kvstride {b['kvstride']}"
     assert _mismatches(_outputs(b["outputs"]), plain_tp2) == [], "engine B (TP=2, a new process)"
     env1 = _env(base_env, "mooncake", store_serve, VLLM_ENABLE_V1_MULTIPROCESSING="0")
     (c,) = _run_engines(workdir, env1, [dict(job, backend="uni", phases=["p2"])], "tp1-mooncake-c")
@@ -535,7 +537,7 @@ def test_tensor_parallel_mooncake_within_across_engines_and_tp_sizes(
     # That costs hits, never bytes: the outputs above are bit-identical. So the TP=2 engines must
     # load some blocks, and the TP=1 engine must not fail at all.
     for r in (a, b):
-        assert r["kvstride"].get("vllm:kvstride_bytes_loaded", 0) > 0, r["kvstride"]
+        assert r["kvstride"].get("vllm:kvstride_bytes_loaded", 0) > 0, f"{r['kvstride']}"
     assert c["kvstride"].get("vllm:kvstride_failures", 0) == 0, c["kvstride"]
 
 

@@ -386,7 +386,7 @@ def store_serve(args) -> int:
     master = holder = None
     try:
         # Warnings and errors only: at INFO the master logs a metrics line every 10 s, forever.
-        master = start_master(host=args.host, rpc_port=args.port, extra_args=["--minloglevel=1"])
+        master = start_master(host=args.host, rpc_port=args.port, extra_args=["--minloglevel=1"], log_dir=args.log_dir)
         holder = MooncakeStore(master, segment_bytes=segment_bytes, local_hostname=args.host)
         engine_config = json.dumps(MooncakeClientConfig(master.address, global_segment_size=0).to_json())
         if args.config_out:
@@ -527,6 +527,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     serve.add_argument("--port", type=int, default=None, help="master RPC port (default: a free one)")
     serve.add_argument("--config-out", metavar="PATH", help="also write the engines' config here (for MOONCAKE_CONFIG_PATH)")
+    serve.add_argument(
+        "--log-dir",
+        metavar="DIR",
+        help="keep mooncake_master's log (warnings and errors) in DIR (default: a temporary folder removed at exit)",
+    )
     serve.add_argument(
         "--secret-file",
         metavar="PATH",
