@@ -225,6 +225,34 @@ def test_objects_outlive_the_client_that_wrote_them(tmp_path):
     assert not _port_open(host, int(port), 1.0)
 
 
+def test_objects_outlive_a_holder_stalled_past_mooncakes_client_ttl(tmp_path):
+    """A busy host can delay the holder's heartbeat; mooncake_master's default ``--client_ttl``
+    (10 s) then drops the holder's segment and every object in it (seen on a 2-core host under
+    a TP=2 engine). store serve's master keeps it for ``--client-ttl`` (60 s): objects written
+    before the holder was stopped for 13 s read back whole. ``--log-dir`` keeps the master's
+    log."""
+    config_path, log_path = tmp_path / "engines.json", tmp_path / "serve.err"
+    server = _serve(log_path, "--bytes", "16M", "--config-out", str(config_path), "--log-dir", str(tmp_path))
+    try:
+        _wait_for_config(server, config_path, log_path)
+        n, size = 2, 64 << 10
+        written, read = tmp_path / "written.npy", tmp_path / "read.npy"
+        np.save(written, np.frombuffer(os.urandom(n * size), np.uint8).reshape(n, size))
+        assert _client("put", config_path, written, n) == ["ok"] * n
+        os.kill(server.pid, signal.SIGSTOP)  # the holder's heartbeat stops; its master runs on
+        try:
+            time.sleep(13)
+        finally:
+            os.kill(server.pid, signal.SIGCONT)
+        time.sleep(2)  # heartbeats again
+        assert _client("get", config_path, read, n, size) == ["ok"] * n + ["missing"]
+        assert np.load(read).tobytes() == np.load(written).tobytes()
+    finally:
+        rc, _, err = _stop(server, signal.SIGTERM, log_path)
+    assert rc == 0, err[-3000:]
+    assert list(tmp_path.glob("master-*.log")), "--log-dir kept no master log"
+
+
 def test_sigint_on_a_chosen_port(tmp_path):
     config_path, port = tmp_path / "engines.json", _free_port()
     log_path = tmp_path / "serve.err"
@@ -240,7 +268,8 @@ def test_sigint_on_a_chosen_port(tmp_path):
 @pytest.mark.parametrize(
     "args, message",
     [(["--bytes", "lots"], "--bytes 'lots' is not a size"), (["--bytes", "0"], "--bytes must be > 0"),
-     (["--bytes", "1G", "--host", "0.0.0.0"], "is a wildcard")],
+     (["--bytes", "1G", "--host", "0.0.0.0"], "is a wildcard"),
+     (["--bytes", "1G", "--client-ttl", "0"], "--client-ttl: must be a whole number of seconds > 0")],
 )
 def test_serve_refuses_bad_arguments(args, message):
     argv = [sys.executable, "-m", "kvstride.cli", "store", "serve", *args]

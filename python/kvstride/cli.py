@@ -340,6 +340,20 @@ def _report_sockets(master, holder) -> None:
         )
 
 
+#: ``kvstride store serve``'s mooncake_master --client_ttl (seconds).
+STORE_SERVE_CLIENT_TTL_S = 60
+
+
+def _positive_seconds(text: str) -> int:
+    try:
+        seconds = int(text)
+    except ValueError:
+        seconds = 0
+    if seconds <= 0:
+        raise argparse.ArgumentTypeError(f"must be a whole number of seconds > 0, got {text!r}")
+    return seconds
+
+
 def store_serve(args) -> int:
     """Run ``mooncake_master`` plus one client that holds ``--bytes`` of segment, so that engines
     can be pure clients (segment 0) whose objects outlive them; stop on SIGINT / SIGTERM."""
@@ -386,7 +400,10 @@ def store_serve(args) -> int:
     master = holder = None
     try:
         # Warnings and errors only: at INFO the master logs a metrics line every 10 s, forever.
-        master = start_master(host=args.host, rpc_port=args.port, extra_args=["--minloglevel=1"], log_dir=args.log_dir)
+        # The holder below lives and dies with this master, so a missed heartbeat (a busy host)
+        # must not make the master drop the holder's segment and every object in it.
+        master_args = ["--minloglevel=1", f"--client_ttl={args.client_ttl}"]
+        master = start_master(host=args.host, rpc_port=args.port, extra_args=master_args, log_dir=args.log_dir)
         holder = MooncakeStore(master, segment_bytes=segment_bytes, local_hostname=args.host)
         engine_config = json.dumps(MooncakeClientConfig(master.address, global_segment_size=0).to_json())
         if args.config_out:
@@ -527,6 +544,15 @@ def build_parser() -> argparse.ArgumentParser:
     )
     serve.add_argument("--port", type=int, default=None, help="master RPC port (default: a free one)")
     serve.add_argument("--config-out", metavar="PATH", help="also write the engines' config here (for MOONCAKE_CONFIG_PATH)")
+    serve.add_argument(
+        "--client-ttl",
+        type=_positive_seconds,
+        default=STORE_SERVE_CLIENT_TTL_S,
+        metavar="SECONDS",
+        help="how long the master keeps a client's segment, and every object in it, without a heartbeat "
+        f"(mooncake_master --client_ttl; default: {STORE_SERVE_CLIENT_TTL_S}, where Mooncake's 10 lost the holder's "
+        "objects whenever a busy host delayed its heartbeat)",
+    )
     serve.add_argument(
         "--log-dir",
         metavar="DIR",
