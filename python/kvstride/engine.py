@@ -25,9 +25,9 @@ scattered into a KV block.
 Staging (any store but the embedded arena): a step's saves stream through the pool's save
 share. While the share is full the step waits for staged batches (its own or earlier steps')
 to be put, as long as the store keeps up: the save lane's running put began less than
-``save_wait_s`` ago. A store that keeps up costs the step a wait, never blocks: deferring
-instead would lose what a later step cannot plan again, window-group blocks that left vLLM's
-window and partial-tail hand-offs (so a hit boundary the other groups reach). A stalled store
+``save_wait_s`` ago. A store that keeps up costs the step a short wait; deferring instead
+would lose what a later step cannot plan again, window-group blocks that left vLLM's window and
+partial-tail hand-offs, and with them a hit boundary the other groups reach. A stalled store
 (one put longer than ``save_wait_s``) does not stall vLLM's step: the rest of the step is
 deferred, not failed: counted (``saves_deferred``), its requests' planned offsets go back, and
 their next step plans those blocks again. Puts a later step may not plan again are staged
