@@ -418,7 +418,30 @@ impl KeyPlanner {
         saved_offset: u64,
         exists: &dyn Fn(&str) -> bool,
     ) -> Result<SavePlan> {
+        self.plan_admitted_save_from(base, hashes, block_ids, num_tokens, saved_offset, None, exists)
+    }
+
+    /// [`plan_save_from`](Self::plan_save_from) under §8 admission: with `boundaries`
+    /// (from [`hit_boundaries`](Self::hit_boundaries)), a window group writes only the blocks
+    /// the window tail of one of them needs; `None` writes every window tail (dense).
+    #[allow(clippy::too_many_arguments)]
+    pub fn plan_admitted_save_from<H: AsRef<[u8]>>(
+        &self,
+        base: u64,
+        hashes: &[H],
+        block_ids: &[Vec<u64>],
+        num_tokens: u64,
+        saved_offset: u64,
+        boundaries: Option<&[u64]>,
+        exists: &dyn Fn(&str) -> bool,
+    ) -> Result<SavePlan> {
         self.check_saved_offset(saved_offset)?;
+        if let Some(bad) = boundaries.and_then(|bs| bs.iter().find(|&&x| x % self.alignment() != 0)) {
+            return Err(Error::new(format!(
+                "admitted boundary {bad} is not a multiple of the alignment {} (use hit_boundaries)",
+                self.alignment()
+            )));
+        }
         if base % self.s != 0 || base > self.save_base(saved_offset) {
             return Err(Error::new(format!(
                 "base={base} must be a multiple of scheduler_block_size={} at or below \
@@ -447,6 +470,9 @@ impl KeyPlanner {
                         }
                     }
                     x += self.s;
+                }
+                if let Some(admitted) = boundaries {
+                    wanted.retain(|&b, _| admitted.iter().any(|&x| self.needed_blocks(g, x).contains(&b)));
                 }
                 wanted.into_iter().collect()
             } else {
@@ -552,6 +578,40 @@ impl KeyPlanner {
             boundary: Some(boundary),
             puts,
         })
+    }
+
+    /// §8: the boundaries of a prompt of `num_prompt_tokens` tokens a later lookup can hit at,
+    /// whose window tails its saves keep. `retention_interval` is vLLM's
+    /// `prefix_cache_retention_interval`: `None` (dense checkpoints) admits every boundary
+    /// (returns `None`); `0` the prompt's ends and its junction; `T > 0` also every `T` tokens.
+    /// `seen[i]` says whether the prefix ending at boundary `(i + 1) · a` was seen before (the
+    /// hashes of [`boundary_hash_indices`](Self::boundary_hash_indices)); the deepest seen one is
+    /// the junction.
+    pub fn hit_boundaries(&self, num_prompt_tokens: u64, retention_interval: Option<u64>, seen: &[bool]) -> Option<Vec<u64>> {
+        let interval = retention_interval?;
+        let a = self.alignment();
+        let n = num_prompt_tokens;
+        let mut out = std::collections::BTreeSet::new();
+        if n > 0 {
+            out.insert((n - 1) / a * a); // a resend: its last token is computed (§6)
+            out.insert(n / a * a); // a longer prompt extending this one
+        }
+        if let Some(periods) = n.checked_div(interval) {
+            out.extend((1..=periods).map(|k| k * interval / a * a)); // vLLM's periodic checkpoints
+        }
+        if let Some(i) = seen.iter().rposition(|&s| s) {
+            out.insert(((i as u64 + 1) * a).min(n / a * a));
+        }
+        out.remove(&0);
+        Some(out.into_iter().collect())
+    }
+
+    /// The hash index naming each boundary `a, 2a, …` up to `num_tokens` that the hashes
+    /// cover: two prompts whose hashes agree there share the prefix up to it (§8 junctions).
+    pub fn boundary_hash_indices(&self, num_hashes: usize, num_tokens: u64) -> Vec<usize> {
+        let a = self.alignment();
+        let limit = num_tokens.min(self.tokens_hashed(num_hashes));
+        (1..=limit / a).map(|k| (k * a / self.h - 1) as usize).collect()
     }
 
     /// The largest length the lookup may test for a request of `num_tokens` tokens.

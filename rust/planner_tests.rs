@@ -56,6 +56,28 @@ fn fa4_mamba16() -> KeyPlanner {
     planner(groups, 4, 16)
 }
 
+/// §8: a 100-token prompt, alignment 16: its ends (96 for a resend and for a longer prompt),
+/// every 32 tokens with a 32-token interval, and the deepest seen boundary (48).
+#[test]
+fn hit_boundaries_example() {
+    let window = GroupSpec::of_kind(GroupKind::SlidingWindow, 16, Some(20)).unwrap();
+    let p = planner(vec![GroupSpec::full_attention(16), window], 16, 16);
+    assert_eq!(p.hit_boundaries(100, None, &[]), None);
+    assert_eq!(p.hit_boundaries(100, Some(0), &[]), Some(vec![96]));
+    assert_eq!(p.hit_boundaries(96, Some(0), &[]), Some(vec![80, 96]));
+    assert_eq!(p.hit_boundaries(100, Some(32), &[]), Some(vec![32, 64, 96]));
+    assert_eq!(p.hit_boundaries(100, Some(0), &[true, false, true, false]), Some(vec![48, 96]));
+    assert_eq!(p.boundary_hash_indices(7, 100), vec![0, 1, 2, 3, 4, 5]);
+    // Admitted at 48 and 96 only: the window's blocks 1-2 and 4-5 (a 20-token window needs
+    // two 16-token blocks), not block 0 or 3.
+    let hashes = fake_hashes(7);
+    let tables = vec![(1..=7).collect::<Vec<u64>>(), (11..=17).collect::<Vec<u64>>()];
+    let plan = p.plan_admitted_save_from(0, &hashes, &tables, 100, 0, Some(&[48, 96]), &never).unwrap();
+    let window: Vec<u64> = plan.puts.iter().filter(|t| t.group == 1).map(|t| t.block_id).collect();
+    assert_eq!(window, vec![12, 13, 15, 16]);
+    assert!(p.plan_admitted_save_from(0, &hashes, &tables, 100, 0, Some(&[40]), &never).is_err());
+}
+
 #[test]
 fn tail_example_from_offset_zero() {
     let p = fa4_mamba16();

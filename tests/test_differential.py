@@ -193,6 +193,20 @@ def check_plans_agree(sc, data):
         assert len(keys) == len(set(keys))
         assert not keys or not exists & set(keys)
 
+    # §8 admission: the boundaries, their hashes, and a save that keeps only their window tails
+    interval = data.draw(st.one_of(st.none(), st.integers(0, 3).map(lambda k: k * core.scheduler_block_size)))
+    marks = core.boundary_hashes(h, n)
+    assert marks == twin.boundary_hashes(h, n)
+    seen = data.draw(st.lists(st.booleans(), min_size=len(marks), max_size=len(marks)))
+    admitted = core.hit_boundaries(n, retention_interval=interval, seen=seen)
+    assert admitted == twin.hit_boundaries(n, retention_interval=interval, seen=seen)
+    assert (admitted is None) == (interval is None)
+    if admitted is not None:
+        assert all(0 < x <= n and x % core.alignment == 0 for x in admitted)
+    a = outcome(lambda p: save_tuple(p.plan_save(h, tables, n, saved_offset=o, exists=exists, boundaries=admitted)), core)
+    b = outcome(lambda p: save_tuple(p.plan_save(h, tables, n, saved_offset=o, exists=exists, boundaries=admitted)), twin)
+    assert a == b, ("plan_save admitted", admitted, a, b)
+
     a = outcome(lambda p: tail_tuple(p.plan_tail(h, tables, sc["hand"], saved_offset=o, exists=exists)), core)
     b = outcome(lambda p: tail_tuple(p.plan_tail(h, tables, sc["hand"], saved_offset=o, exists=exists)), twin)
     assert a == b, ("plan_tail", sc["hand"], a, b)
@@ -387,6 +401,48 @@ def test_save_then_lookup_serves_the_save_end(sc):
         assert end == n // S * S
         if end:
             assert p.longest_hit(h, end + 1, present) == end, impl.__name__
+
+
+@SETTINGS
+@given(sc=scenario(), data=st.data())
+def test_admitted_save_serves_every_admitted_boundary(sc, data):
+    """Without mamba groups, a prompt saved step by step under §8 admission serves a hit at
+    each admitted boundary (its window tails are all stored), and stores no window block that
+    none of them needs."""
+    cfg, S, H = sc["cfg"], sc["S"], sc["H"]
+    specs = make_groups(CORE, cfg["params"])
+    assume(not any(s.kind == "mamba" for s in specs))
+    assume(cfg["tp_size"] == 1)
+    dcp = cfg["dcp"]
+    sizes = [s.block_size * dcp for s in specs]
+    h = sc["hashes"]
+    n = len(h) * H
+    tables = [[7 + b for b in range(n // sizes[g] + 1)] for g in range(len(specs))]
+    step = S * data.draw(st.integers(1, 3))
+    interval = data.draw(st.integers(0, 2)) * S
+    for impl in (CORE, TWIN):
+        p = build(impl, cfg, S, H)
+        seen = data.draw(st.lists(st.booleans(), min_size=n // p.alignment, max_size=n // p.alignment))
+        admitted = p.hit_boundaries(n, retention_interval=interval, seen=seen)
+        present, offset = set(), 0
+        for computed in list(range(step, n, step)) + [n]:
+            plan = p.plan_save(h, tables, computed, saved_offset=offset, boundaries=admitted)
+            present |= {put[0] for put in plan.puts}
+            offset = plan.end
+        for x in admitted:
+            # A normal save ends on scheduler blocks (a boundary inside one is a partial
+            # tail's, §5); the last token is computed (§6): a lookup of x + 1 tokens.
+            if x < n and x % S == 0:
+                assert p.longest_hit(h, x + 1, present) >= x, (impl.__name__, x, admitted)
+        dense = p.plan_save(h, tables, n).puts
+        assert present <= {put[0] for put in dense}
+        for g, spec in enumerate(specs):
+            if spec.kind in ("sliding_window", "chunked_local"):
+                B = sizes[g]
+                needed = {b for x in admitted for b in _needed(spec.kind, spec.window, B, x)}
+                wanted = {p.key(g, h[(b + 1) * B // H - 1]) for b in needed if (b + 1) * B <= n}
+                group_keys = {put[0] for put in dense if put[1] == g}
+                assert present & group_keys == wanted & group_keys, (impl.__name__, g, admitted)
 
 
 @pytest.mark.parametrize("name", ["core", "twin"])

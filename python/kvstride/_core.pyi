@@ -1,6 +1,6 @@
 """Type stubs for the Rust core (``kvstride._core``). Semantics: SEMANTICS.md."""
 
-from typing import Any, Iterable, Optional, Sequence, Union
+from typing import Any, Iterable, List, Optional, Sequence, Union
 
 import numpy as np
 import numpy.typing as npt
@@ -153,7 +153,15 @@ class KeyPlanner:
         *,
         saved_offset: int = 0,
         exists: Optional[Iterable[str]] = None,
-    ) -> SavePlan: ...
+        boundaries: Optional[Sequence[int]] = None,
+    ) -> SavePlan:
+        """``boundaries`` (§8, from ``hit_boundaries``): window groups keep only their tails."""
+    def hit_boundaries(
+        self, num_prompt_tokens: int, *, retention_interval: Optional[int], seen: Optional[Sequence[bool]] = None
+    ) -> Optional[List[int]]:
+        """§8: the boundaries a later lookup can hit a prompt at (None: every one, dense)."""
+    def boundary_hashes(self, block_hashes: Sequence[bytes], num_tokens: int) -> List[bytes]:
+        """§8: the hash naming each boundary ``a, 2a, ...`` up to ``num_tokens``."""
     def plan_tail(
         self,
         block_hashes: Sequence[bytes],

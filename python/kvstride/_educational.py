@@ -1053,12 +1053,22 @@ class KeyPlanner:
         *,
         saved_offset: int = 0,
         exists: Optional[Iterable[str]] = None,
+        boundaries: Optional[Iterable[int]] = None,
     ) -> SavePlan:
         hashes = self._hashes(block_hashes)
         tables = self._tables(block_ids)
         n = _non_negative_int("num_tokens", num_tokens)
         o = self._saved_offset(saved_offset)
         H, S = self.hash_block_size, self.scheduler_block_size
+        admitted = None
+        if boundaries is not None:
+            admitted = [_non_negative_int("boundary", x) for x in boundaries]
+            for x in admitted:
+                if x % self.alignment:
+                    raise ValueError(
+                        f"admitted boundary {x} is not a multiple of the alignment {self.alignment} "
+                        "(use hit_boundaries)"
+                    )
 
         # The save end: whole scheduler blocks whose hashes are known; never below the offset.
         end = max(o, (min(n, len(hashes) * H) // S) * S)
@@ -1076,6 +1086,9 @@ class KeyPlanner:
                 wanted = set()
                 for X in range(o + S, end + 1, S):
                     wanted.update(_needed(spec, B, X))
+                if admitted is not None:
+                    # §8: only the window tails of hit-capable boundaries.
+                    wanted = {b for b in wanted if any(b in _needed(spec, B, X) for X in admitted)}
                 blocks = sorted(b for b in wanted if b >= o // B)
             else:
                 # mamba: its block table is never read (F8); state comes from hand-offs (§5).
@@ -1092,6 +1105,39 @@ class KeyPlanner:
 
         _, puts = self._finish_puts(candidates, exists)
         return SavePlan(end=end, puts=puts)
+
+    # ---- §8 admission --------------------------------------------------------------------
+
+    def hit_boundaries(
+        self, num_prompt_tokens: int, *, retention_interval: Optional[int], seen: Optional[Iterable[bool]] = None
+    ) -> Optional[List[int]]:
+        """The boundaries a later lookup can hit a prompt at, whose window tails its saves
+        keep; None (every boundary) under dense retention (``retention_interval`` None)."""
+        n = _non_negative_int("num_prompt_tokens", num_prompt_tokens)
+        if retention_interval is None:
+            return None
+        interval = _non_negative_int("retention_interval", retention_interval)
+        a = self.alignment
+        out = set()
+        if n > 0:
+            out.add((n - 1) // a * a)  # a resend: its last token is computed (§6)
+            out.add(n // a * a)  # a longer prompt extending this one
+        if interval > 0:
+            out.update(k * interval // a * a for k in range(1, n // interval + 1))
+        seen = list(seen or ())
+        deepest = max((i for i, s in enumerate(seen) if s), default=None)
+        if deepest is not None:  # the junction: the deepest boundary seen before
+            out.add(min((deepest + 1) * a, n // a * a))
+        out.discard(0)
+        return sorted(out)
+
+    def boundary_hashes(self, block_hashes: Sequence[bytes], num_tokens: int) -> List[bytes]:
+        """The hash naming each boundary ``a, 2a, ...`` up to ``num_tokens`` the hashes cover."""
+        hashes = self._hashes(block_hashes)
+        n = _non_negative_int("num_tokens", num_tokens)
+        a, H = self.alignment, self.hash_block_size
+        limit = min(n, len(hashes) * H)
+        return [hashes[k * a // H - 1] for k in range(1, limit // a + 1)]
 
     # ---- §5 partial tail ----------------------------------------------------------------
 

@@ -191,7 +191,8 @@ impl KeyPlanner {
         Ok(PyBytes::new(py, &keys::key_bytes(g as u32, block_hash)))
     }
 
-    #[pyo3(signature = (block_hashes, block_ids, num_tokens, *, saved_offset = 0, exists = None))]
+    #[pyo3(signature = (block_hashes, block_ids, num_tokens, *, saved_offset = 0, exists = None, boundaries = None))]
+    #[allow(clippy::too_many_arguments)]
     fn plan_save(
         &self,
         py: Python<'_>,
@@ -200,9 +201,13 @@ impl KeyPlanner {
         num_tokens: i64,
         saved_offset: i64,
         exists: Option<&Bound<'_, PyAny>>,
+        boundaries: Option<Vec<i64>>,
     ) -> PyResult<SavePlan> {
         let n = non_negative("num_tokens", num_tokens)?;
         let offset = non_negative("saved_offset", saved_offset)?;
+        let boundaries = boundaries
+            .map(|bs| bs.into_iter().map(|x| non_negative("boundary", x)).collect::<PyResult<Vec<u64>>>())
+            .transpose()?;
         // Only what the plan reads is converted: a step costs the same at any context length.
         // (Inputs shorter than the base, or not lists, are converted whole.)
         let base = self.inner.save_base_for(offset, items_len(block_hashes));
@@ -213,7 +218,11 @@ impl KeyPlanner {
         let slices = hash_slices(&hashes);
         let inner = &self.inner;
         let plan = py
-            .detach(|| inner.plan_save_from(base, &slices, &tables, n, offset, &|k| exists.contains(k)))
+            .detach(|| {
+                inner.plan_admitted_save_from(base, &slices, &tables, n, offset, boundaries.as_deref(), &|k| {
+                    exists.contains(k)
+                })
+            })
             .map_err(value_error)?;
         Ok(SavePlan {
             end: plan.end,
@@ -327,6 +336,37 @@ impl KeyPlanner {
         let slices = hash_slices(&hashes);
         let inner = &self.inner;
         Ok(py.detach(|| inner.longest_hit(&slices, n, &|k| present.contains(k))))
+    }
+
+    /// §8: the boundaries whose window tails a prompt's saves keep (None: every one).
+    #[pyo3(signature = (num_prompt_tokens, *, retention_interval, seen = None))]
+    fn hit_boundaries(
+        &self,
+        num_prompt_tokens: i64,
+        retention_interval: Option<i64>,
+        seen: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<Option<Vec<u64>>> {
+        let n = non_negative("num_prompt_tokens", num_prompt_tokens)?;
+        let interval = optional_non_negative("retention_interval", retention_interval)?;
+        let seen: Vec<bool> = match seen {
+            Some(seen) => seen.try_iter()?.map(|b| b?.is_truthy()).collect::<PyResult<_>>()?,
+            None => Vec::new(),
+        };
+        Ok(self.inner.hit_boundaries(n, interval, &seen))
+    }
+
+    /// §8: the block hash naming each boundary `a, 2a, …` up to `num_tokens` (a junction is
+    /// the deepest one seen before).
+    fn boundary_hashes<'py>(
+        &self,
+        py: Python<'py>,
+        block_hashes: &Bound<'py, PyAny>,
+        num_tokens: i64,
+    ) -> PyResult<Bound<'py, PyList>> {
+        let hashes = extract_hashes(block_hashes)?;
+        let n = non_negative("num_tokens", num_tokens)?;
+        let picked = self.inner.boundary_hash_indices(hashes.len(), n).into_iter().map(|i| hashes[i].clone());
+        PyList::new(py, picked)
     }
 
     fn longest_hit_bitmap(
