@@ -470,6 +470,72 @@ def test_repeat_of_block_plus_one_prompt_hits_all_but_its_last_token(model_dirs,
     assert harness.mismatches(got, plain_run(name, _repeat_481)) == []
 
 
+# ---- admission under vLLM's default retention (issue 18, SEMANTICS §8) ----------------------
+
+#: vLLM's default ``prefix_cache_retention_interval``: checkpoints at prompt ends and junctions.
+DEFAULT_RETENTION = {"prefix_cache_retention_interval": 0}
+
+
+def _admission_phases():
+    """P1, P2 (its first 384 tokens), P3 (the same 384, another tail), the repeat of P1."""
+    p1, p2 = harness.prompts()
+    tail = [(13 * i + 7) % 500 + 3 for i in range(harness.PROMPT_TOKENS - harness.SHARED_TOKENS)]
+    return (("p1", p1), ("p2", p2), ("p3", p1[: harness.SHARED_TOKENS] + tail), ("repeat", p1))
+
+
+def _admission_workload(llm, hits: Optional[list] = None) -> dict:
+    """The admission phases, each after a forced miss; ``hits`` gets each one's external hit.
+    Ends with vLLM's blocks back (``assert_idle``)."""
+    sched = _scheduler_side(llm)
+    idle = harness.free_blocks(llm)
+    out = {}
+    for seed, (phase, prompt) in enumerate(_admission_phases()):
+        if seed:
+            harness.drain_and_forget(llm, seed)
+        before = sched.matched_tokens if sched is not None else 0
+        out[phase] = harness.generate(llm, prompt)
+        if hits is not None:
+            hits.append(sched.matched_tokens - before)
+    harness.assert_idle(llm, idle)
+    return out
+
+
+def _admission_run(model_dirs, store: dict):
+    llm = LLM(**harness.engine_kwargs(harness.MODELS["gemma3"], model_dirs["gemma3"], connector=store, **DEFAULT_RETENTION))
+    try:
+        hits = []
+        got = _admission_workload(llm, hits)
+        counters = dict(_connectors(llm)[1].counters)
+        if store["store"] == "embedded":
+            assert llm.reset_prefix_cache(reset_connector=True), "reset_prefix_cache(reset_connector=True) refused"
+        return got, hits, counters
+    finally:
+        harness.close(llm)
+        kv_vllm.drop_shared_stores()
+
+
+@pytest.mark.parametrize("kind", ["embedded", "mooncake"])
+def test_window_blocks_are_stored_only_where_a_lookup_can_hit(model_dirs, plain_run, request, kind):
+    """Gemma-3 (window 64) under vLLM's default retention: P1 keeps only the window tails of
+    its ends (448, 480), so P2, sharing 384 tokens with it, misses, as vLLM's own cache would
+    without a checkpoint there; P2's save finds P1's prefix seen before and keeps the tail of
+    their junction, so P3 (the same 384 tokens) hits 384 and the repeat of P1 hits 448. Tokens
+    and logprobs are the plain run's; the dense policy stores more for the same run."""
+    master = request.getfixturevalue("mooncake_master") if kind == "mooncake" else None
+    want = plain_run("gemma3", _admission_workload, **DEFAULT_RETENTION)
+    store = _store_config(kind, master, f"admission-{kind}-{os.getpid()}")
+    got, hits, counters = _admission_run(model_dirs, store)
+    assert hits == [0, 0, harness.SHARED_TOKENS, 448], (hits, counters)
+    assert harness.mismatches(got, want) == []
+    assert not counters.get("load_failed") and not counters.get("corrupt"), counters
+    if kind == "embedded":
+        dense = _store_config(kind, master, f"admission-dense-{os.getpid()}") | {"admission": "dense"}
+        got_dense, hits_dense, counters_dense = _admission_run(model_dirs, dense)
+        assert hits_dense == [0, harness.SHARED_TOKENS, harness.SHARED_TOKENS, 448], (hits_dense, counters_dense)
+        assert harness.mismatches(got_dense, want) == []
+        assert counters["bytes_stored"] < counters_dense["bytes_stored"], (counters, counters_dense)
+
+
 # ---- saves of any size (issue 14.2, review B2) ---------------------------------------------------
 
 #: The whole 480-token prompt in one prefill step: Llama's 15 blocks, 240 KiB per step, in a

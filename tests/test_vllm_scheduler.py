@@ -16,7 +16,7 @@ pytest.importorskip("vllm")
 import kvstride  # noqa: E402
 from kvstride.stores import EmbeddedStore  # noqa: E402
 from kvstride.stores.placement import StorePlacement  # noqa: E402
-from kvstride.vllm.config import ConnectorConfig  # noqa: E402
+from kvstride.vllm.config import ConnectorConfig, check_admission  # noqa: E402
 from kvstride.vllm.scheduler import SchedulerSide  # noqa: E402
 from kvstride.vllm.store_registry import StoreChoice  # noqa: E402
 
@@ -52,8 +52,9 @@ def _config() -> ConnectorConfig:
     )
 
 
-def _prefill_step(request, tokens: int, block_ids):
-    block_state = SimpleNamespace(get_block_ids=lambda rid: (block_ids,), boundary_state_offloads={})
+def _prefill_step(request, tokens: int, tables):
+    """One step computing ``tokens`` of a new request; ``tables``: its block ids per group."""
+    block_state = SimpleNamespace(get_block_ids=lambda rid: tuple(tables), boundary_state_offloads={})
     new = SimpleNamespace(req_id=request.request_id, num_computed_tokens=0)
     return SimpleNamespace(
         scheduled_new_reqs=[new],
@@ -74,9 +75,9 @@ def test_a_step_asks_the_store_once_for_every_ranks_saves():
     try:
         tokens = 8 * BLOCK
         hashes = [hashlib.sha256(bytes([i])).digest() for i in range(tokens // BLOCK)]
-        request = SimpleNamespace(request_id="r", block_hashes=hashes, num_tokens=tokens)
+        request = SimpleNamespace(request_id="r", block_hashes=hashes, num_tokens=tokens, num_prompt_tokens=tokens)
         side.on_new_request(request)
-        meta = side.build_connector_meta(_prefill_step(request, tokens, list(range(1, 9))))
+        meta = side.build_connector_meta(_prefill_step(request, tokens, [list(range(1, 9))]))
         assert store.exists_calls == 1
         ((job, by_rank),) = meta.saves.items()
         assert sorted(by_rank) == [0, 1]
@@ -85,3 +86,68 @@ def test_a_step_asks_the_store_once_for_every_ranks_saves():
     finally:
         side.shutdown()
         store.close()
+
+
+WINDOW = 32  # tokens: two 16-token blocks
+
+
+def _window_config(admission: str, retention_interval) -> ConnectorConfig:
+    groups = [kvstride.GroupSpec("full_attention", BLOCK), kvstride.GroupSpec("sliding_window", BLOCK, window=WINDOW)]
+    S, H = kvstride.resolve_block_sizes(groups)
+    planner = kvstride.KeyPlanner(
+        groups, hash_block_size=H, scheduler_block_size=S, namespace=kvstride.Namespace("admission", fingerprint="00" * 8)
+    )
+    return ConnectorConfig(
+        {"store": "mooncake"}, groups, "00" * 8, planner, [planner], 0, None, StoreChoice("mooncake", 1), 1,
+        admission=admission, retention_interval=retention_interval,
+    )
+
+
+def _window_blocks_saved(side, request, tables) -> list:
+    """The window group's block ids one prefill step of the whole prompt sends to be saved."""
+    side.on_new_request(request)
+    meta = side.build_connector_meta(_prefill_step(request, request.num_tokens, tables))
+    entries = [entry for by_rank in meta.saves.values() for entry in by_rank.get(0, ())]
+    side.request_finished_all_groups(request, ())
+    return sorted(block for _, group, block in entries if group == 1)
+
+
+def _hashes(blocks: int, salt: bytes) -> list:
+    return [hashlib.sha256(salt + bytes([i])).digest() for i in range(blocks)]
+
+
+@pytest.mark.parametrize("admission, retention, first, second", [
+    # vLLM's default retention (0): the prompt's ends (112 and 128 of 128 tokens) need window
+    # blocks 5-7; the second prompt shares 64 tokens, a junction seen before: blocks 2-3 too.
+    ("kvstride", 0, [16, 17, 18], [23, 24, 26, 27, 28]),
+    # Periodic checkpoints every 64 tokens add the tail of 64 to the first prompt's.
+    ("kvstride", 64, [13, 14, 16, 17, 18], [23, 24, 26, 27, 28]),
+    # Dense retention (None), or the dense policy: every window block.
+    ("kvstride", None, list(range(11, 19)), list(range(21, 29))),
+    ("dense", 0, list(range(11, 19)), list(range(21, 29))),
+])
+def test_window_blocks_are_saved_only_where_a_lookup_can_hit(admission, retention, first, second):
+    """SEMANTICS §8 in the scheduler: a window group's blocks are sent to be saved only for the
+    window tails of the prompt's ends, vLLM's periodic checkpoints and a junction with a prefix
+    seen before; under dense retention or ``admission="dense"``, all of them."""
+    store = CountingStore()
+    side = SchedulerSide(_window_config(admission, retention), StorePlacement(store))
+    try:
+        tokens = 8 * BLOCK
+        one = _hashes(8, b"one")
+        two = one[:4] + _hashes(4, b"two")
+        r1 = SimpleNamespace(request_id="r1", block_hashes=one, num_tokens=tokens, num_prompt_tokens=tokens)
+        r2 = SimpleNamespace(request_id="r2", block_hashes=two, num_tokens=tokens, num_prompt_tokens=tokens)
+        assert _window_blocks_saved(side, r1, [list(range(1, 9)), list(range(11, 19))]) == first
+        # No worker confirmed r1's job, so the store has none of its keys: r2 plans its own.
+        assert _window_blocks_saved(side, r2, [list(range(1, 9)), list(range(21, 29))]) == second
+    finally:
+        side.shutdown()
+        store.close()
+
+
+@pytest.mark.parametrize("value", ["lru", "", None, 1])
+def test_unknown_admission_is_refused_at_construction(value):
+    """``admission`` other than kvstride or dense is a ValueError naming the key and the choices."""
+    with pytest.raises(ValueError, match=r"admission.*kvstride, dense"):
+        check_admission(value)

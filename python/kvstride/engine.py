@@ -74,6 +74,9 @@ class SaveRequest:
     block_ids: Sequence[Sequence[int]]
     num_tokens: int
     handoffs: Sequence[Tuple[int, int, int]] = ()  # (group, block_id, boundary)
+    # The boundaries whose window tails are kept (SEMANTICS §8, ``KeyPlanner.hit_boundaries``);
+    # None keeps every window tail (dense).
+    boundaries: Optional[Sequence[int]] = None
 
 
 @dataclass
@@ -650,7 +653,9 @@ class OffloadEngine:
         for save, state in zip(saves, states):
             with self._lock:
                 offset = state.planned
-            plan = planner.plan_save(save.block_hashes, save.block_ids, save.num_tokens, saved_offset=offset)
+            plan = planner.plan_save(
+                save.block_hashes, save.block_ids, save.num_tokens, saved_offset=offset, boundaries=save.boundaries
+            )
             ends.append(plan.end)
             puts = list(plan.puts)
             if save.handoffs:

@@ -13,7 +13,12 @@ from kvstride.engine import DEFAULT_SAVE_WAIT_S, check_save_wait
 from kvstride.secret import load_secret
 from kvstride.vllm.store_registry import StoreChoice, choose_store
 
-__all__ = ["ConnectorConfig", "resolve_config", "group_specs"]
+__all__ = ["ConnectorConfig", "resolve_config", "group_specs", "ADMISSION_POLICIES", "check_admission"]
+
+#: ``kv_connector_extra_config["admission"]``: ``kvstride`` keeps a window group's blocks only
+#: where a later lookup can hit (SEMANTICS §8, under vLLM's ``prefix_cache_retention_interval``);
+#: ``dense`` keeps every window tail, whatever the retention.
+ADMISSION_POLICIES = ("kvstride", "dense")
 
 
 def group_specs(kv_cache_config, vllm_config) -> List[kvstride.GroupSpec]:
@@ -119,6 +124,19 @@ class ConnectorConfig:
     store: StoreChoice  # which store, and what its kind decides for the rest
     world_size: int
     save_wait_s: float = DEFAULT_SAVE_WAIT_S  # the workers' engines' (kvstride.engine)
+    admission: str = "kvstride"  # one of ADMISSION_POLICIES
+    # vLLM's prefix_cache_retention_interval: None dense checkpoints, 0 semantic only, T > 0 every T
+    retention_interval: Optional[int] = 0
+
+
+def check_admission(value) -> str:
+    """``kv_connector_extra_config["admission"]``, or ``ValueError`` naming it."""
+    if value not in ADMISSION_POLICIES:
+        raise ValueError(
+            f"kv_connector_extra_config['admission']={value!r}: use one of {', '.join(ADMISSION_POLICIES)} "
+            "(kvstride stores window blocks only where a later lookup can hit; dense stores them all)"
+        )
+    return value
 
 
 def resolve_config(vllm_config, kv_cache_config, worker: bool) -> ConnectorConfig:
@@ -162,4 +180,8 @@ def resolve_config(vllm_config, kv_cache_config, worker: bool) -> ConnectorConfi
     rank_planners = [planner] + [planner_of(rank) for rank in range(1, tp_size)] if not worker else [planner]
     world_size = max(1, int(getattr(pc, "world_size", 1) or 1))
     save_wait_s = check_save_wait(extra.get("save_wait_s", DEFAULT_SAVE_WAIT_S))
-    return ConnectorConfig(extra, groups, fp, planner, rank_planners, tp_rank, secret, store, world_size, save_wait_s)
+    retention = getattr(vllm_config.cache_config, "prefix_cache_retention_interval", 0)
+    return ConnectorConfig(
+        extra, groups, fp, planner, rank_planners, tp_rank, secret, store, world_size, save_wait_s,
+        admission=check_admission(extra.get("admission", "kvstride")), retention_interval=None if retention is None else int(retention),
+    )

@@ -17,6 +17,7 @@ import logging
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Tuple
 
+from kvstride.capacity import Ghost
 from kvstride.engine import LoadRequest, OffloadEngine, SaveRequest
 from kvstride.vllm.config import ConnectorConfig
 from kvstride.vllm.metadata import KVStrideMetadata, KVStrideWorkerMetadata
@@ -30,6 +31,10 @@ log = logging.getLogger("kvstride.vllm")
 #: again). An arena job is reported in the step that ran its copy, a Mooncake job once its
 #: puts finished on the save lane; this bounds jobs whose report was lost or very late.
 ABANDON_AFTER_STEPS = 64
+
+#: Prefix boundaries remembered for junctions (SEMANTICS §8), least recently seen forgotten
+#: first: about 16 MiB of hashes.
+JUNCTION_MEMORY = 1 << 17
 
 
 def _nothing_known(keys) -> List[bool]:
@@ -76,8 +81,14 @@ class SchedulerSide(Outcomes):
         self._loading: set = set()  # req ids whose asynchronous load is in flight
         self._failed_allocs: set = set()  # claimed hits whose load could not even be recorded
         self._recompute: set = set()  # req ids whose load failed: no hit is claimed for them again
-        self._finished_tails: Dict[str, tuple] = {}  # req id -> (hashes, tables, hand-offs)
+        self._finished_tails: Dict[str, tuple] = {}  # req id -> (hashes, tables, hand-offs, boundaries)
         self.matched_tokens = 0  # external tokens reported to vLLM
+        # SEMANTICS §8: window tails only where a later lookup can hit, under vLLM's retention
+        # (None, dense checkpoints: every boundary); junctions from the prefixes seen before.
+        self._admitting = config.admission == "kvstride" and config.retention_interval is not None
+        self._retention_interval = config.retention_interval
+        self._seen_prefixes = Ghost(JUNCTION_MEMORY)
+        self._admitted: Dict[str, Optional[List[int]]] = {}  # req id -> its hit-capable boundaries
 
     def shutdown(self) -> None:
         self._shut_engine()
@@ -336,12 +347,14 @@ class SchedulerSide(Outcomes):
             if request is None or rid not in computed or tables is None or not request.block_hashes:
                 continue
             hashes = request.block_hashes  # planned in this call: the core reads only what the plan needs
+            admitted = self._boundaries(request)
             by_boundary = handoffs.pop(rid, [])
             first = by_boundary[0] if by_boundary else ()
-            saves.append(SaveRequest(rid, hashes, tables, computed[rid] + int(n), handoffs=first))
+            end = computed[rid] + int(n)
+            saves.append(SaveRequest(rid, hashes, tables, end, handoffs=first, boundaries=admitted))
             # vLLM may hand off several boundaries in one step; the planner takes one per save.
             for entries in by_boundary[1:]:
-                saves.append(SaveRequest(rid, hashes, tables, computed[rid] + int(n), handoffs=entries))
+                saves.append(SaveRequest(rid, hashes, tables, end, handoffs=entries, boundaries=admitted))
         # Hand-offs of requests not scheduled this step: their own saves, on vLLM's block tables.
         for rid, by_boundary in handoffs.items():
             request = self._requests.get(rid)
@@ -349,15 +362,32 @@ class SchedulerSide(Outcomes):
             if request is None or tables is None or not request.block_hashes:
                 continue
             hashes = request.block_hashes  # planned in this call: the core reads only what the plan needs
+            admitted = self._boundaries(request)
             for entries in by_boundary:
-                saves.append(SaveRequest(rid, hashes, tables, int(entries[0][2]), handoffs=entries))
-        for rid, entries in self._finished_tails.items():
-            st_hashes, tables = entries[0], entries[1]
-            for group in self._split_by_boundary(entries[2]):
-                saves.append(SaveRequest(rid, st_hashes, tables, int(group[0][2]), handoffs=group))
+                saves.append(SaveRequest(rid, hashes, tables, int(entries[0][2]), handoffs=entries, boundaries=admitted))
+        for rid, (st_hashes, tables, tail, admitted) in self._finished_tails.items():
+            for group in self._split_by_boundary(tail):
+                saves.append(SaveRequest(rid, st_hashes, tables, int(group[0][2]), handoffs=group, boundaries=admitted))
             meta.finished_tails.append(rid)
         self._finished_tails.clear()
         return saves
+
+    def _boundaries(self, request) -> Optional[List[int]]:
+        """The request's hit-capable boundaries (SEMANTICS §8), found at its first save: its
+        prompt's ends, vLLM's periodic checkpoints, and the deepest prefix boundary an earlier
+        request passed through (a junction); None keeps every window tail."""
+        rid = request.request_id
+        if rid in self._admitted:
+            return self._admitted[rid]
+        admitted = None
+        if self._admitting:
+            n = int(request.num_prompt_tokens)
+            marks = self.planner.boundary_hashes(request.block_hashes, n)
+            seen = [self._seen_prefixes.seen(mark) for mark in marks]
+            admitted = self.planner.hit_boundaries(n, retention_interval=self._retention_interval, seen=seen)
+            self._seen_prefixes.remember(marks)
+        self._admitted[rid] = admitted
+        return admitted
 
     @staticmethod
     def _split_by_boundary(entries) -> List[List[Tuple[int, int, int]]]:
@@ -390,7 +420,8 @@ class SchedulerSide(Outcomes):
             hashes = list(request.block_hashes)
             if rid not in self._requests or not partial_tail_offloads or not hashes:
                 return False
-            self._finished_tails[rid] = (hashes, [list(ids) for ids in block_ids], list(partial_tail_offloads))
+            tables = [list(ids) for ids in block_ids]
+            self._finished_tails[rid] = (hashes, tables, list(partial_tail_offloads), self._admitted.get(rid))
             return True
         except Exception as err:
             log.warning("kvstride register_finished_partial_tail failed: %r", err)
@@ -406,6 +437,7 @@ class SchedulerSide(Outcomes):
         self._waiting.pop(rid, None)
         self._step_hits.pop(rid, None)
         self._recompute.discard(rid)
+        self._admitted.pop(rid, None)
         self.engine.finish_request(rid)
         if self._pending_loads.pop(rid, None) is not None:  # never sent: nothing writes them
             self._loading.discard(rid)
