@@ -12,8 +12,10 @@ vLLM block hashes at any hash block size). Hashes are computed once per distinct
 Per request, in trace order: the lookup keys of the prompt (``KeyPlanner.lookup_keys``), one
 existence call against the index, the longest joint hit (``longest_hit_bitmap``), the load plan
 of that hit (``plan_load``; every key it gets is checked present: a reported hit every group
-can serve), then the policy's saves (``plan_save`` for attention and window blocks,
-``KeyPlanner.key`` of the boundary hash for state checkpoints) into the index.
+can serve), then the policy's saves (``plan_save`` for attention and window blocks, window
+blocks only for the chosen boundaries' tails (SEMANTICS §8, ``plan_save(boundaries=...)``),
+``KeyPlanner.key`` of the boundary hash for state checkpoints) into the index; a ``kvstride``
+boundary set is the keys of the core's load plan of a hit there.
 
 Policies:
 
@@ -313,14 +315,6 @@ class TraceReplay:
             out.extend(got)
         return out
 
-    def _needed_window(self, g: int, x: int) -> range:
-        b, w = self.block[g], self.groups[g].window
-        if self.groups[g].kind == "sliding_window":
-            lo = max(0, x - w + 1)
-        else:
-            lo = x // w * w
-        return range(lo // b, -(-x // b))
-
     def _fa_prefix(self, nodes: List[int], hashes: List[bytes], exists) -> int:
         """Tokens of the longest prefix every full-attention group holds on its own (vLLM's
         single-group hit, whose end is the shared_prefix_boundary)."""
@@ -479,16 +473,10 @@ class TraceReplay:
         tables = [list(range(1, -(-max(end, 1) // self.block[g]) + 2)) for g in range(len(groups))]
         puts: List[Tuple[str, int, str]] = []
         if end > offset:
-            need: Dict[int, set] = {}
-            if policy != "dense":
-                for g in self.windows:
-                    need[g] = set()
-                    for x in bounds:
-                        need[g].update(self._needed_window(g, x))
+            # Window groups keep only the tails of the chosen boundaries (SEMANTICS §8).
+            admitted = None if policy == "dense" else bounds
             sizes = [(bpb[g], groups[g].kind) for g in range(len(groups))]
-            for key, g, block_id in planner.plan_save(hashes, tables, end, saved_offset=offset).puts:
-                if g in need and block_id - 1 not in need[g]:
-                    continue
+            for key, g, _block in planner.plan_save(hashes, tables, end, saved_offset=offset, boundaries=admitted).puts:
                 nb, kind = sizes[g]
                 puts.append((key, nb, kind))
         for g in self.mambas:
@@ -502,23 +490,12 @@ class TraceReplay:
         if policy != "kvstride":
             index.put_many(puts)
             return
-        # kvstride: one boundary set per boundary (attention blocks up to it, window tail, state).
-        fa_keys = {g: self._fa_keys(nodes, hashes, g) for g in self.fa}
+        # kvstride: one boundary set per boundary: every key a hit there loads (the core's load
+        # plan: attention blocks up to it, the window tail, the state).
+        sizes = [(bpb[g], groups[g].kind) for g in range(len(groups))]
         for x in bounds:
-            needs: List[Tuple[str, int, str]] = []
-            for g in self.fa:
-                b, nb, kind = self.block[g], bpb[g], groups[g].kind
-                needs.extend([(k, nb, kind) for k in fa_keys[g][: x // b]])
-                if x % b:  # a partial last block, keyed by the boundary's sub-hash
-                    needs.append((planner.key(g, hashes[x // h - 1]), bpb[g], groups[g].kind))
-            for g in self.windows:
-                b = self.block[g]
-                for blk in self._needed_window(g, x):
-                    e = min((blk + 1) * b, x)
-                    needs.append((planner.key(g, hashes[e // h - 1]), bpb[g], groups[g].kind))
-            for g in self.mambas:
-                needs.append((planner.key(g, hashes[x // h - 1]), bpb[g], "mamba"))
-            index.put_boundary(hashes[x // h - 1], needs, float(x))
+            gets = planner.plan_load(hashes, tables, x).gets
+            index.put_boundary(hashes[x // h - 1], [(key, *sizes[g]) for key, g, _block in gets], float(x))
 
 
 def replay(trace: Sequence[TraceRequest], model: ModelGeometry, capacities: Sequence[int],
