@@ -402,8 +402,10 @@ def store_serve(args) -> int:
         # Warnings and errors only: at INFO the master logs a metrics line every 10 s, forever.
         # The holder below lives and dies with this master, so a missed heartbeat (a busy host)
         # must not make the master drop the holder's segment and every object in it.
-        master_args = ["--minloglevel=1", f"--client_ttl={args.client_ttl}"]
-        master = start_master(host=args.host, rpc_port=args.port, extra_args=master_args, log_dir=args.log_dir)
+        master = start_master(
+            host=args.host, rpc_port=args.port, client_ttl_s=args.client_ttl, extra_args=["--minloglevel=1"],
+            log_dir=args.log_dir,
+        )
         holder = MooncakeStore(master, segment_bytes=segment_bytes, local_hostname=args.host)
         engine_config = json.dumps(MooncakeClientConfig(master.address, global_segment_size=0).to_json())
         if args.config_out:

@@ -235,6 +235,7 @@ def start_master(
     rpc_port: Optional[int] = None,
     lease_ttl_ms: Optional[int] = None,
     eviction_high_watermark: Optional[float] = None,
+    client_ttl_s: Optional[int] = None,
     extra_args: Sequence[str] = (),
     log_dir: Optional[str] = None,
     timeout: float = 15.0,
@@ -270,6 +271,8 @@ def start_master(
         argv.append(f"--default_kv_lease_ttl={int(lease_ttl_ms)}")
     if eviction_high_watermark is not None:
         argv.append(f"--eviction_high_watermark_ratio={eviction_high_watermark}")
+    if client_ttl_s is not None:  # how long a client's segment outlives its missed heartbeats
+        argv.append(f"--client_ttl={int(client_ttl_s)}")
     argv += list(extra_args)
     owned_log_dir = None if log_dir else tempfile.mkdtemp(prefix="kvstride-mooncake-")
     log_path = os.path.join(log_dir or owned_log_dir, f"master-{rpc}.log")
