@@ -42,6 +42,27 @@ def test_eviction_takes_the_least_recently_used_unpinned_ready_key():
     assert slot is not None
 
 
+def test_eviction_takes_the_least_recent_prefix_from_its_deepest_block():
+    """With ranks (the stamp of the request that wrote a key, the tokens its block ends at), a
+    request's head written first is still evicted last: what stays of it is a prefix. A load
+    (``pin`` with a new stamp) makes a prefix the most recent."""
+    index = SlotIndex(5)
+    old, new = index.stamp(), index.stamp()
+    for depth in (16, 32, 48):  # one block a step, the head first
+        key = f"old@{depth}"
+        index.reserve([key], {key: (old, depth)})
+        index.confirm([key])
+    fresh = {f"new@{d}": (new, d) for d in (16, 32)}
+    index.reserve(list(fresh), fresh)
+    index.confirm(list(fresh))
+    index.reserve(["x"])
+    assert index.exists(["old@16", "old@32", "old@48"]) == [True, True, False]
+    index.unpin(index.pin(["old@16", "old@32"], index.stamp()))  # a load of old's prefix
+    index.reserve(["y"])  # new is now the least recent: its deepest block goes
+    assert index.exists(["new@16", "new@32", "old@16", "old@32"]) == [True, False, True, True]
+    assert index.keys()[0] == "new@16" and index.evictions == 2
+
+
 def test_abandoned_writes_free_their_slot():
     index = SlotIndex(1)
     (slot,) = index.reserve(["a"])

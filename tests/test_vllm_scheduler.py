@@ -17,6 +17,7 @@ import kvstride  # noqa: E402
 from kvstride.stores import EmbeddedStore  # noqa: E402
 from kvstride.stores.placement import StorePlacement  # noqa: E402
 from kvstride.vllm.config import ConnectorConfig, check_admission  # noqa: E402
+from kvstride.vllm.metadata import KVStrideWorkerMetadata  # noqa: E402
 from kvstride.vllm.scheduler import SchedulerSide  # noqa: E402
 from kvstride.vllm.store_registry import StoreChoice  # noqa: E402
 
@@ -151,3 +152,56 @@ def test_unknown_admission_is_refused_at_construction(value):
     """``admission`` other than kvstride or dense is a ValueError naming the key and the choices."""
     with pytest.raises(ValueError, match=r"admission.*kvstride, dense"):
         check_admission(value)
+
+
+def _step(request, computed: int, tokens: int, tables):
+    """One step computing ``tokens`` more of ``request`` (new when ``computed`` is 0)."""
+    step = _prefill_step(request, tokens, tables)
+    if computed:
+        step.scheduled_new_reqs = []
+        step.scheduled_cached_reqs = SimpleNamespace(req_ids=[request.request_id], num_computed_tokens=[computed])
+    return step
+
+
+def _saved_block_by_block(side, request, tables) -> None:
+    """The request's prefill, one block per step, each save reported written by the worker."""
+    side.on_new_request(request)
+    for computed in range(0, request.num_tokens, BLOCK):
+        meta = side.build_connector_meta(_step(request, computed, BLOCK, tables))
+        reports = {job: [1, 0, 0] for job in meta.saves}
+        side.update_connector_output(SimpleNamespace(
+            finished_recving=set(), failed_recving=set(), kv_connector_worker_meta=KVStrideWorkerMetadata(reports, []),
+        ))
+    side.request_finished_all_groups(request, ())
+
+
+def test_the_embedded_store_evicts_a_prefix_from_its_deepest_block():
+    """Six arena slots, two 4-block prompts saved a block per step: the second evicts two of
+    the first's blocks. Its deepest go (a block past a missing one serves no hit), so the first
+    prompt still hits its first 2 blocks; evicting least recently written first would take
+    its head and leave it nothing."""
+    from kvstride.arena import ArenaPlacement
+
+    groups = [kvstride.GroupSpec("full_attention", BLOCK)]
+    S, H = kvstride.resolve_block_sizes(groups)
+    planner = kvstride.KeyPlanner(
+        groups, hash_block_size=H, scheduler_block_size=S, namespace=kvstride.Namespace("evict", fingerprint="00" * 8)
+    )
+    config = ConnectorConfig(
+        {"store": "embedded"}, groups, "00" * 8, planner, [planner], 0, None, StoreChoice("embedded", 1, 6), 1
+    )
+    placement = ArenaPlacement(6)
+    side = SchedulerSide(config, placement)
+    try:
+        tokens = 4 * BLOCK
+        first, second = _hashes(4, b"first"), _hashes(4, b"second")
+        a = SimpleNamespace(request_id="a", block_hashes=first, num_tokens=tokens, num_prompt_tokens=tokens)
+        b = SimpleNamespace(request_id="b", block_hashes=second, num_tokens=tokens, num_prompt_tokens=tokens)
+        _saved_block_by_block(side, a, [list(range(1, 5))])
+        _saved_block_by_block(side, b, [list(range(5, 9))])
+        assert placement.index.evictions == 2 and len(placement.index) == 6
+        again = SimpleNamespace(request_id="a2", block_hashes=first, num_tokens=tokens + 1, num_prompt_tokens=tokens + 1)
+        side.on_new_request(again)
+        assert side.get_num_new_matched_tokens(again, 0) == (2 * BLOCK, True)
+    finally:
+        side.shutdown()

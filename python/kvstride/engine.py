@@ -631,17 +631,35 @@ class OffloadEngine:
                         return start, None
                     self._pool_freed.wait(_ROOM_CHECK_S)  # a release wakes it at once
 
-    def plan_saves(self, saves: Sequence[SaveRequest], states: Sequence["_RequestState"], known, planner=None):
+    def plan_saves(self, saves: Sequence[SaveRequest], states: Sequence["_RequestState"], known, planner=None,
+                   depths: Optional[Dict[str, int]] = None):
         """The core's plans for ``saves`` (normal save and partial tail) from each request's
         planned offset, minus keys ``known(keys)`` says are stored; advances the planned offsets.
         ``planner``: another rank's planner (the same groups and offsets, its own keys).
         Returns (entries [(key, group, block_id)], owners {key: [req ids]}, ends, failed req ids).
         Entries a later step may not be able to plan again come first: keys only a partial tail
-        names (its hand-off blocks are valid in this step only), then window-group blocks."""
-        entries, owners, ends, failed, _ = self._plan_saves(saves, states, known, planner)
+        names (its hand-off blocks are valid in this step only), then window-group blocks.
+        ``depths``, if given, gets each key's depth: the tokens its block ends at (a tail's
+        boundary), for an eviction order that keeps prefixes."""
+        entries, owners, ends, failed, _ = self._plan_saves(saves, states, known, planner, depths)
         return entries, owners, ends, failed
 
-    def _plan_saves(self, saves, states, known, planner=None):
+    @staticmethod
+    def _depths(planner, save: SaveRequest, offset: int, end: int, puts, depths: Dict[str, int]) -> None:
+        """Each put's block end in tokens, from the block-table rows the save covered (the
+        normal save writes blocks in [offset, end) only: the cost stays that of the step)."""
+        rows: Dict[int, Dict[int, int]] = {}
+        for key, group, block_id in puts:
+            b = planner.groups[group].block_size
+            where = rows.get(group)
+            if where is None:
+                lo = offset // b
+                table = save.block_ids[group]
+                where = rows[group] = {bid: i for i, bid in enumerate(table[lo : -(-end // b)], lo)}
+            row = where.get(block_id)
+            depths[key] = end if row is None else (row + 1) * b
+
+    def _plan_saves(self, saves, states, known, planner=None, depths=None):
         """``plan_saves``, plus the keys only partial tails name."""
         planner = planner or self.planner
         windowed = [spec.kind in ("sliding_window", "chunked_local") for spec in planner.groups]
@@ -658,6 +676,8 @@ class OffloadEngine:
             )
             ends.append(plan.end)
             puts = list(plan.puts)
+            if depths is not None:
+                self._depths(planner, save, offset, plan.end, puts, depths)
             if save.handoffs:
                 tail = planner.plan_tail(save.block_hashes, save.block_ids, save.handoffs, saved_offset=offset)
                 self.count(f"tail_{tail.outcome}")
@@ -673,6 +693,8 @@ class OffloadEngine:
                 normal = {key for key, _, _ in puts}
                 tail_keys.update(key for key, _, _ in tail.puts if key not in normal)
                 puts.extend(tail.puts)
+                if depths is not None and tail.boundary is not None:
+                    depths.update((key, int(tail.boundary)) for key, _, _ in tail.puts)
             req_id = save.req_id
             for key, group, block_id in puts:
                 if not self._save_block_in_layout(f"request {req_id}", (key, group, block_id)):

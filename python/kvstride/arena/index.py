@@ -4,8 +4,9 @@ wrote them (:mod:`kvstride.arena` says how the two sides fit). No bytes live her
 
 from __future__ import annotations
 
-import collections
-from typing import Dict, List, Optional, Sequence
+import heapq
+import itertools
+from typing import Dict, List, Optional, Sequence, Tuple
 
 from kvstride.stores.placement import EVERY_RANK
 
@@ -31,23 +32,47 @@ def slots_for(capacity_bytes: int, slot_bytes: int) -> int:
 
 
 class SlotIndex:
-    """The scheduler's view of the arena: key -> slot, least recently used first.
+    """The scheduler's view of the arena: key -> slot, and the order keys are evicted in.
 
     ``ready`` keys are readable on every rank; ``writing`` keys have a slot whose save has not
-    been confirmed by every rank; ``pins`` count the loads in flight per slot."""
+    been confirmed by every rank; ``pins`` count the loads in flight per slot.
+
+    Eviction takes the ready key with the lowest ``(stamp, -depth)``: the least recently used
+    prefix first, and within it the deepest block first. A caller that gives each key the
+    stamp of the request that wrote or read it and the tokens its block ends at (``ranks``)
+    keeps every request's resident keys a prefix of it, so what stays can still serve a hit
+    at some shorter boundary (SEMANTICS §8: a block past the last boundary every group can
+    serve is worth nothing). Without ``ranks`` each call is one stamp and keys keep their call
+    order: least recently used first."""
 
     def __init__(self, num_slots: int) -> None:
         self.num_slots = int(num_slots)
         self._free: List[int] = list(range(self.num_slots - 1, -1, -1))
-        self._ready: "collections.OrderedDict[str, int]" = collections.OrderedDict()
+        self._ready: Dict[str, int] = {}
         self._writing: Dict[str, int] = {}
+        self._pending_ranks: Dict[str, Tuple[int, int]] = {}  # writing key -> (stamp, depth)
         self._pins: Dict[int, int] = {}  # slot -> loads in flight reading it
         self._key_of: Dict[int, str] = {}  # slot -> the key it holds or is being written for
         self._doomed: set = set()  # dropped slots still pinned: freed when the last load ends
+        # Eviction order: key -> its live heap entry (stamp, -depth, serial); stale entries
+        # left in the heap are skipped when popped.
+        self._order: Dict[str, Tuple[int, int, int]] = {}
+        self._heap: List[Tuple[int, int, int, str]] = []
+        self._clock = itertools.count(1)
+        self._serial = itertools.count()
         self.evictions = 0
 
     def __len__(self) -> int:
         return len(self._ready)
+
+    def stamp(self) -> int:
+        """A stamp newer than every one given so far."""
+        return next(self._clock)
+
+    def _rank(self, key: str, stamp: int, depth: int) -> None:
+        entry = (stamp, -depth, next(self._serial))
+        self._order[key] = entry
+        heapq.heappush(self._heap, entry + (key,))
 
     # The KVStore surface OffloadEngine.lookup uses: present = readable on every rank.
     def exists(self, keys: Sequence[str]) -> List[bool]:
@@ -58,39 +83,40 @@ class SlotIndex:
         return self._ready.get(key)
 
     def keys(self) -> List[str]:
-        """The ready keys, least recently used first."""
-        return list(self._ready)
+        """The ready keys, first to be evicted first."""
+        return sorted(self._ready, key=self._order.__getitem__)
 
     def ready_slots(self) -> List[int]:
         return list(self._ready.values())
 
-    def touch(self, keys: Sequence[str]) -> None:
-        """Mark ready keys most recently used."""
+    def touch(self, keys: Sequence[str], stamp: Optional[int] = None) -> None:
+        """Mark ready keys used now (``stamp``, else a new one), each keeping its depth."""
+        stamp = self.stamp() if stamp is None else stamp
         for key in keys:
             if key in self._ready:
-                self._ready.move_to_end(key)
+                self._rank(key, max(stamp, self._order[key][0]), -self._order[key][1])
 
     def known(self, keys: Sequence[str]) -> List[bool]:
         """Readable, or being written (a save need not write it again)."""
         return [k in self._ready or k in self._writing for k in keys]
 
-    def pin(self, keys: Sequence[str]) -> Optional[List[int]]:
+    def pin(self, keys: Sequence[str], stamp: Optional[int] = None) -> Optional[List[int]]:
         """The slots of ``keys`` (all ready), pinned until ``unpin``; None if one is not ready."""
         ready = self._ready
         if not all(k in ready for k in keys):
             return None
-        return self.pin_ready(keys)
+        return self.pin_ready(keys, stamp)
 
-    def pin_ready(self, keys: Sequence[str]) -> List[Optional[int]]:
-        """The slot of each key, pinned until ``unpin``; None (and nothing pinned) for a key
-        that is not ready."""
+    def pin_ready(self, keys: Sequence[str], stamp: Optional[int] = None) -> List[Optional[int]]:
+        """The slot of each key, pinned until ``unpin`` and used now (:meth:`touch`); None (and
+        nothing pinned) for a key that is not ready."""
         ready, pins, out = self._ready, self._pins, []
         for key in keys:
             slot = ready.get(key)
             if slot is not None:
-                ready.move_to_end(key)
                 pins[slot] = pins.get(slot, 0) + 1
             out.append(slot)
+        self.touch(keys, stamp)
         return out
 
     def unpin(self, slots: Sequence[int]) -> None:
@@ -113,43 +139,69 @@ class SlotIndex:
             if key is None or self._ready.get(key) != s:
                 continue
             del self._ready[key]
+            del self._order[key]
             del self._key_of[s]
             if s in self._pins:
                 self._doomed.add(s)
             else:
                 self._free.append(s)
 
-    def reserve(self, keys: Sequence[str]) -> List[Optional[int]]:
-        """A slot for each key (None when every slot is pinned or being written), evicting the
-        least recently used ready keys as needed. The keys become ``writing``."""
+    def reserve(self, keys: Sequence[str], ranks: Optional[Dict[str, Tuple[int, int]]] = None) -> List[Optional[int]]:
+        """A slot for each key (None when every slot is pinned or being written), evicting
+        ready keys in eviction order as needed. The keys become ``writing``; ``ranks`` gives a
+        key's ``(stamp, depth)`` once it is confirmed."""
         out: List[Optional[int]] = []
         for key in keys:
             slot = self._free.pop() if self._free else self._evict_one()
             if slot is not None:
                 self._writing[key] = slot
                 self._key_of[slot] = key
+                if ranks is not None and key in ranks:
+                    self._pending_ranks[key] = ranks[key]
             out.append(slot)
         return out
 
     def _evict_one(self) -> Optional[int]:
-        for key, slot in self._ready.items():
-            if slot not in self._pins:
+        heap, order, pinned = self._heap, self._order, []
+        try:
+            while heap:
+                item = heapq.heappop(heap)
+                key = item[3]
+                if order.get(key) != item[:3]:
+                    continue  # stale: the key was re-ranked or is gone
+                slot = self._ready[key]
+                if slot in self._pins:
+                    pinned.append(item)
+                    continue
                 del self._ready[key]
+                del order[key]
                 del self._key_of[slot]
                 self.evictions += 1
                 return slot
-        return None
+            return None
+        finally:
+            for item in pinned:
+                heapq.heappush(heap, item)
 
     def confirm(self, keys: Sequence[str]) -> None:
-        """Every rank wrote these keys: they become readable (most recently used)."""
+        """Every rank wrote these keys: they become readable, ranked as ``reserve`` was told
+        (else used now, in call order)."""
+        stamp = None
         for key in keys:
             slot = self._writing.pop(key, None)
-            if slot is not None:
-                self._ready[key] = slot
+            if slot is None:
+                continue
+            self._ready[key] = slot
+            rank = self._pending_ranks.pop(key, None)
+            if rank is None:
+                stamp = self.stamp() if stamp is None else stamp
+                rank = (stamp, 0)
+            self._rank(key, *rank)
 
     def abandon(self, keys: Sequence[str]) -> None:
         """A rank failed to write these keys: their slots are free again."""
         for key in keys:
+            self._pending_ranks.pop(key, None)
             slot = self._writing.pop(key, None)
             if slot is not None:
                 del self._key_of[slot]
@@ -162,6 +214,8 @@ class SlotIndex:
             return False
         self._free.extend(self._ready.values())
         self._ready.clear()
+        self._order.clear()
+        self._heap.clear()
         self._key_of.clear()
         return True
 
@@ -181,9 +235,12 @@ class ArenaPlacement:
     def known(self, keys: Sequence[str]) -> List[bool]:
         return self.index.known(keys)
 
-    def place_saves(self, per_rank):
+    def stamp(self) -> int:
+        return self.index.stamp()
+
+    def place_saves(self, per_rank, ranks=None):
         (entries,) = per_rank
-        slots = self.index.reserve([key for key, _, _ in entries])
+        slots = self.index.reserve([key for key, _, _ in entries], ranks)
         placed = [(slot, group, block) for (_, group, block), slot in zip(entries, slots) if slot is not None]
         keys = [key for (key, _, _), slot in zip(entries, slots) if slot is not None]
         refused = [key for (key, _, _), slot in zip(entries, slots) if slot is None]
@@ -196,9 +253,9 @@ class ArenaPlacement:
         else:
             self.index.abandon(keys)
 
-    def place_load(self, req_id: str, per_rank):
+    def place_load(self, req_id: str, per_rank, stamp: Optional[int] = None):
         (gets,) = per_rank
-        slots = self.index.pin([key for key, _, _ in gets])
+        slots = self.index.pin([key for key, _, _ in gets], stamp)
         if slots is None:  # evicted or dropped since the lookup
             return None
         self._load_pins[req_id] = slots

@@ -6,9 +6,12 @@ A placement turns the keys the core planned into the entries workers execute, pe
 
     exists(keys) -> list[bool]           readable by a load now (lookups)
     known(keys) -> list[bool]            a save need not write them (stored, or being written)
-    place_saves(per_rank) -> (entries by rank, keys placed, keys refused for want of room)
+    stamp() -> int                       a recency stamp newer than every one before
+    place_saves(per_rank, ranks) -> (entries by rank, keys placed, keys refused for want of room);
+                                         ranks: key -> (stamp, depth), the eviction order
+                                         where the placement evicts (the arena's SlotIndex)
     saves_done(keys, ok)                 every rank reported a save job (ok: all wrote it)
-    place_load(req_id, per_rank) -> entries by rank, or None when the hit is gone
+    place_load(req_id, per_rank, stamp) -> entries by rank, or None when the hit is gone
     load_done(req_id)                    the workers reported the load
     forget_corrupt(items)                what a worker's load found corrupted
     reset() -> bool | None               ``reset_prefix_cache(reset_connector=True)``
@@ -54,14 +57,18 @@ class StorePlacement:
     def known(self, keys: Sequence[str]) -> List[bool]:
         return self.store.exists(keys)
 
-    def place_saves(self, per_rank: List[List[Entry]]):
+    def stamp(self) -> int:
+        """Mooncake evicts by itself: no order to keep."""
+        return 0
+
+    def place_saves(self, per_rank: List[List[Entry]], ranks=None):
         keys = [key for entries in per_rank for key, _, _ in entries]
         return dict(enumerate(per_rank)), keys, []
 
     def saves_done(self, keys: Sequence[str], ok: bool) -> None:
         """Nothing to do: a put that failed left nothing readable."""
 
-    def place_load(self, req_id: str, per_rank: List[List[Entry]]) -> Optional[Dict[int, List[Entry]]]:
+    def place_load(self, req_id: str, per_rank: List[List[Entry]], stamp=None) -> Optional[Dict[int, List[Entry]]]:
         return dict(enumerate(per_rank))
 
     def load_done(self, req_id: str) -> None:

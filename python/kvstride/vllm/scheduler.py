@@ -89,6 +89,7 @@ class SchedulerSide(Outcomes):
         self._retention_interval = config.retention_interval
         self._seen_prefixes = Ghost(JUNCTION_MEMORY)
         self._admitted: Dict[str, Optional[List[int]]] = {}  # req id -> its hit-capable boundaries
+        self._stamps: Dict[str, int] = {}  # req id -> its recency in the placement's eviction order
 
     def shutdown(self) -> None:
         self._shut_engine()
@@ -208,7 +209,9 @@ class SchedulerSide(Outcomes):
                 self.engine.count("load_missing_destination")
                 self._fail_load(rid, meta)
                 return
-            placed = self.placement.place_load(rid, [list(plan.gets) for plan in plans])
+            # A load makes its prefix the request's: what it saves next extends it.
+            stamp = self._stamps[rid] = self.placement.stamp()
+            placed = self.placement.place_load(rid, [list(plan.gets) for plan in plans], stamp)
             if placed is None:  # gone from the store since the lookup
                 self.engine.count("load_not_ready")
                 self._fail_load(rid, meta)
@@ -247,16 +250,24 @@ class SchedulerSide(Outcomes):
         states = self.engine.request_states([save.req_id for save in saves])
         start = [state.planned for state in states]
         per_rank, owners, failed, ends = [], {}, set(), []
+        depths: Dict[str, int] = {}
         for planner in self.rank_planners:
             for state, planned in zip(states, start):  # every rank plans from the same offsets
                 state.planned = planned
-            entries, rank_owners, ends, rank_failed = self.engine.plan_saves(saves, states, _nothing_known, planner)
+            entries, rank_owners, ends, rank_failed = self.engine.plan_saves(
+                saves, states, _nothing_known, planner, depths
+            )
             per_rank.append(entries)
             failed |= rank_failed
             for key, rids in rank_owners.items():
                 owners.setdefault(key, rids)
         per_rank = self._without_known(per_rank)
-        placed, keys, refused = self.placement.place_saves(per_rank)
+        # Eviction order (the arena's): a key goes with the newest request that wrote it, the
+        # deepest blocks of a request first.
+        ranks = {
+            key: (max(self._stamp(rid) for rid in owners[key]), depth) for key, depth in depths.items() if key in owners
+        }
+        placed, keys, refused = self.placement.place_saves(per_rank, ranks)
         if refused:
             self.engine.count("put_full", len(refused))
             failed.update(rid for key in refused for rid in owners[key])
@@ -372,6 +383,13 @@ class SchedulerSide(Outcomes):
         self._finished_tails.clear()
         return saves
 
+    def _stamp(self, rid: str) -> int:
+        """The request's recency stamp, taken at its first save or load."""
+        stamp = self._stamps.get(rid)
+        if stamp is None:
+            stamp = self._stamps[rid] = self.placement.stamp()
+        return stamp
+
     def _boundaries(self, request) -> Optional[List[int]]:
         """The request's hit-capable boundaries (SEMANTICS §8), found at its first save: its
         prompt's ends, vLLM's periodic checkpoints, and the deepest prefix boundary an earlier
@@ -438,6 +456,7 @@ class SchedulerSide(Outcomes):
         self._step_hits.pop(rid, None)
         self._recompute.discard(rid)
         self._admitted.pop(rid, None)
+        self._stamps.pop(rid, None)
         self.engine.finish_request(rid)
         if self._pending_loads.pop(rid, None) is not None:  # never sent: nothing writes them
             self._loading.discard(rid)
