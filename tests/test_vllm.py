@@ -505,7 +505,10 @@ def _admission_run(model_dirs, store: dict):
     try:
         hits = []
         got = _admission_workload(llm, hits)
-        counters = dict(_connectors(llm)[1].counters)
+        sched, worker = _connectors(llm)
+        counters = dict(worker.counters)
+        # Nothing kept per request once every request finished (tails included).
+        assert not sched._admitted and not sched._stamps, (sched._admitted, sched._stamps)
         if store["store"] == "embedded":
             assert llm.reset_prefix_cache(reset_connector=True), "reset_prefix_cache(reset_connector=True) refused"
         return got, hits, counters

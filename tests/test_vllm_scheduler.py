@@ -205,3 +205,43 @@ def test_the_embedded_store_evicts_a_prefix_from_its_deepest_block():
         assert side.get_num_new_matched_tokens(again, 0) == (2 * BLOCK, True)
     finally:
         side.shutdown()
+
+
+class KeyCountingStore(EmbeddedStore):
+    """The embedded store, recording how many keys each existence call asked."""
+
+    def __init__(self) -> None:
+        super().__init__(1 << 20, slot_bytes=4096)
+        self.asked = []
+
+    def exists(self, keys):
+        self.asked.append(len(keys))
+        return super().exists(keys)
+
+
+def test_a_long_queue_is_looked_up_as_many_requests_at_a_time_as_a_pass_admits():
+    """Ten waiting requests, max_num_seqs 3: vLLM asks for the first, and one store call
+    covers it and the next two in arrival order (the others' turn comes in later passes), not
+    the whole queue in every step."""
+    store = KeyCountingStore()
+    config = _window_config("kvstride", 0)
+    config.lookup_batch = 3
+    side = SchedulerSide(config, StorePlacement(store))
+    try:
+        tokens = 8 * BLOCK
+        queue = [
+            SimpleNamespace(request_id=f"r{i}", block_hashes=_hashes(8, bytes([i])), num_tokens=tokens,
+                            num_prompt_tokens=tokens)
+            for i in range(10)
+        ]
+        for request in queue:
+            side.on_new_request(request)
+        per_request = len(config.planner.lookup_keys(queue[0].block_hashes, tokens))
+        assert side.get_num_new_matched_tokens(queue[0], 0) == (0, False)
+        assert side.get_num_new_matched_tokens(queue[2], 0) == (0, False)  # answered by the same call
+        assert store.asked == [3 * per_request]
+        side.get_num_new_matched_tokens(queue[5], 0)
+        assert store.asked == [3 * per_request, 3 * per_request]
+    finally:
+        side.shutdown()
+        store.close()

@@ -127,6 +127,8 @@ class ConnectorConfig:
     admission: str = "kvstride"  # one of ADMISSION_POLICIES
     # vLLM's prefix_cache_retention_interval: None dense checkpoints, 0 semantic only, T > 0 every T
     retention_interval: Optional[int] = 0
+    # Requests one store call looks up: vLLM's max_num_seqs, the most one scheduling pass admits.
+    lookup_batch: int = 256
 
 
 def check_admission(value) -> str:
@@ -181,7 +183,9 @@ def resolve_config(vllm_config, kv_cache_config, worker: bool) -> ConnectorConfi
     world_size = max(1, int(getattr(pc, "world_size", 1) or 1))
     save_wait_s = check_save_wait(extra.get("save_wait_s", DEFAULT_SAVE_WAIT_S))
     retention = getattr(vllm_config.cache_config, "prefix_cache_retention_interval", 0)
+    max_num_seqs = getattr(getattr(vllm_config, "scheduler_config", None), "max_num_seqs", None) or 256
     return ConnectorConfig(
         extra, groups, fp, planner, rank_planners, tp_rank, secret, store, world_size, save_wait_s,
-        admission=check_admission(extra.get("admission", "kvstride")), retention_interval=None if retention is None else int(retention),
+        admission=check_admission(extra.get("admission", "kvstride")),
+        retention_interval=None if retention is None else int(retention), lookup_batch=max(1, int(max_num_seqs)),
     )

@@ -33,7 +33,7 @@ log = logging.getLogger("kvstride.vllm")
 ABANDON_AFTER_STEPS = 64
 
 #: Prefix boundaries remembered for junctions (SEMANTICS §8), least recently seen forgotten
-#: first: about 16 MiB of hashes.
+#: first: about 20 MiB of 32-byte hashes in Python objects.
 JUNCTION_MEMORY = 1 << 17
 
 
@@ -90,6 +90,7 @@ class SchedulerSide(Outcomes):
         self._seen_prefixes = Ghost(JUNCTION_MEMORY)
         self._admitted: Dict[str, Optional[List[int]]] = {}  # req id -> its hit-capable boundaries
         self._stamps: Dict[str, int] = {}  # req id -> its recency in the placement's eviction order
+        self._lookup_batch = config.lookup_batch
 
     def shutdown(self) -> None:
         self._shut_engine()
@@ -120,13 +121,17 @@ class SchedulerSide(Outcomes):
             return 0, False
 
     def _look_up(self, request) -> int:
-        """The request's hit, from one existence call that also covers every other request
-        still waiting to be allocated: vLLM asks one request at a time within a scheduling
-        pass, and the pass asks the store once."""
+        """The request's hit, from one existence call that also covers the next requests
+        waiting to be allocated, in arrival order, as many as one scheduling pass can admit
+        (``max_num_seqs``): vLLM asks one request at a time within a pass, and the pass asks
+        the store once. (Every waiting request, every step, would make a long queue cost each
+        step a store call the size of the queue.)"""
         batch = {request.request_id: request}
-        batch.update(
-            (rid, r) for rid, r in self._waiting.items() if rid not in self._recompute and rid not in self._step_hits
-        )
+        for rid, r in self._waiting.items():
+            if len(batch) >= self._lookup_batch:
+                break
+            if rid not in self._recompute and rid not in self._step_hits:
+                batch[rid] = r
         # The core keeps the last token for vLLM to compute (SEMANTICS §6).
         hits = self.engine.lookup([(rid, list(r.block_hashes), int(r.num_tokens)) for rid, r in batch.items()])
         self._step_hits.update(hits)
@@ -387,7 +392,9 @@ class SchedulerSide(Outcomes):
         """The request's recency stamp, taken at its first save or load."""
         stamp = self._stamps.get(rid)
         if stamp is None:
-            stamp = self._stamps[rid] = self.placement.stamp()
+            stamp = self.placement.stamp()
+            if rid in self._requests:  # a finished request's tail saves keep none
+                self._stamps[rid] = stamp
         return stamp
 
     def _boundaries(self, request) -> Optional[List[int]]:
