@@ -63,6 +63,19 @@ def test_eviction_takes_the_least_recent_prefix_from_its_deepest_block():
     assert index.keys()[0] == "new@16" and index.evictions == 2
 
 
+def test_touching_keys_again_and_again_does_not_grow_the_index():
+    """Every touch re-ranks a key; the superseded heap entries are dropped once they are most of
+    the heap, so an arena that hits often and never fills holds O(keys)."""
+    index = SlotIndex(8)
+    index.reserve(list("abcd"))
+    index.confirm(list("abcd"))
+    for _ in range(5000):
+        index.touch(list("abcd"))
+    assert len(index._heap) <= 2 * 4 + 1024 + 1
+    index.reserve(list("efgh") + ["i"])  # the order survived the rebuilds: a, first in every touch, goes
+    assert index.exists(list("abcd")) == [False, True, True, True]
+
+
 def test_abandoned_writes_free_their_slot():
     index = SlotIndex(1)
     (slot,) = index.reserve(["a"])

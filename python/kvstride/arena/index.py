@@ -73,6 +73,9 @@ class SlotIndex:
         entry = (stamp, -depth, next(self._serial))
         self._order[key] = entry
         heapq.heappush(self._heap, entry + (key,))
+        if len(self._heap) > 2 * len(self._order) + 1024:  # mostly stale (touched keys): rebuild
+            self._heap = [live + (k,) for k, live in self._order.items()]
+            heapq.heapify(self._heap)
 
     # The KVStore surface OffloadEngine.lookup uses: present = readable on every rank.
     def exists(self, keys: Sequence[str]) -> List[bool]:
