@@ -7,8 +7,9 @@ they could be used with). Two indexes, both key -> bytes with the resident total
 ``capacity_bytes``; neither holds the bytes themselves (the embedded arena or Mooncake does),
 so either can sit in front of a real store:
 
-- :class:`LRUIndex`: every value on its own, least recently used evicted first (today's
-  embedded store, and what ``dense`` and ``vllm-reachable`` replay with).
+- :class:`LRUIndex`: every value on its own, least recently used evicted first (what ``dense``
+  and ``vllm-reachable`` replay with; the embedded store's own index, ``kvstride.arena``,
+  evicts a least recently used request's deepest blocks first).
 - :class:`BoundaryIndex`: the unit is a *boundary set*: the keys one hit length ``X`` needs in
   every group (attention blocks up to ``X``, the window tail before ``X``, the state at ``X``).
   A key lives while some resident boundary needs it (reference counts), so the sets stay

@@ -17,7 +17,10 @@ Use it with::
   engines and restarts, configured like vLLM's MooncakeStoreConnector (``MOONCAKE_CONFIG_PATH``;
   ``mooncake_*`` keys override it; ``kvstride store serve`` runs a long-lived one);
 - ``staging_bytes`` (Mooncake staging, default: what one full step can save), ``model_id`` (the key namespace's
-  model part, default the model path), ``cache_prefix``, ``secret_file`` (the deployment key).
+  model part, default the model path), ``cache_prefix``, ``secret_file`` (the deployment key);
+- ``admission``: ``"kvstride"`` (default) stores a window group's blocks only for the tails of
+  boundaries a later lookup can hit at, under vLLM's ``prefix_cache_retention_interval``
+  (SEMANTICS §8); ``"dense"`` stores them all.
 
 The connector never derives a key or a boundary: vLLM's request block hashes and per-group
 block ids go to the core's planner (through :class:`kvstride.engine.OffloadEngine`).
