@@ -392,6 +392,11 @@ pub(super) fn extract_hashes<'py>(obj: &Bound<'py, PyAny>) -> PyResult<Vec<Bound
         .collect()
 }
 
+/// An iterable of truthy values as bools (existence bitmaps, "seen" marks).
+pub(super) fn extract_bools(obj: &Bound<'_, PyAny>) -> PyResult<Vec<bool>> {
+    obj.try_iter()?.map(|b| b?.is_truthy()).collect()
+}
+
 pub(super) fn hash_slices<'a>(hashes: &'a [Bound<'_, PyBytes>]) -> Vec<&'a [u8]> {
     hashes.iter().map(|h| h.as_bytes()).collect()
 }

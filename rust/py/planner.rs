@@ -2,7 +2,7 @@
 //! `dedup_gets`.
 
 use super::convert::{
-    block_tables, block_tables_from, extract_exists, extract_groups, extract_handoffs,
+    block_tables, block_tables_from, extract_bools, extract_exists, extract_groups, extract_handoffs,
     extract_hashes, extract_hashes_from, group_index, hash_slices, items_len, non_negative,
     optional_non_negative, positive, transfers, type_name, value_error, PyTransfer,
 };
@@ -348,8 +348,8 @@ impl KeyPlanner {
     ) -> PyResult<Option<Vec<u64>>> {
         let n = non_negative("num_prompt_tokens", num_prompt_tokens)?;
         let interval = optional_non_negative("retention_interval", retention_interval)?;
-        let seen: Vec<bool> = match seen {
-            Some(seen) => seen.try_iter()?.map(|b| b?.is_truthy()).collect::<PyResult<_>>()?,
+        let seen = match seen {
+            Some(seen) => extract_bools(seen)?,
             None => Vec::new(),
         };
         Ok(self.inner.hit_boundaries(n, interval, &seen))
@@ -378,10 +378,7 @@ impl KeyPlanner {
     ) -> PyResult<u64> {
         let hashes = extract_hashes(block_hashes)?;
         let n = non_negative("num_tokens", num_tokens)?;
-        let bits: Vec<bool> = bitmap
-            .try_iter()?
-            .map(|b| b?.is_truthy())
-            .collect::<PyResult<_>>()?;
+        let bits = extract_bools(bitmap)?;
         let slices = hash_slices(&hashes);
         let inner = &self.inner;
         py.detach(|| inner.longest_hit_bitmap(&slices, n, &bits))
