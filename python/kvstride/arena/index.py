@@ -238,6 +238,8 @@ class ArenaPlacement:
     def known(self, keys: Sequence[str]) -> List[bool]:
         return self.index.known(keys)
 
+    ranks_evictions = True
+
     def stamp(self) -> int:
         return self.index.stamp()
 

@@ -6,10 +6,11 @@ A placement turns the keys the core planned into the entries workers execute, pe
 
     exists(keys) -> list[bool]           readable by a load now (lookups)
     known(keys) -> list[bool]            a save need not write them (stored, or being written)
+    ranks_evictions                      True where the placement evicts (the arena's SlotIndex):
+                                         it takes an eviction order, and then has
     stamp() -> int                       a recency stamp newer than every one before
     place_saves(per_rank, ranks) -> (entries by rank, keys placed, keys refused for want of room);
-                                         ranks: key -> (stamp, depth), the eviction order
-                                         where the placement evicts (the arena's SlotIndex)
+                                         ranks: None, or key -> (stamp, depth), the eviction order
     saves_done(keys, ok)                 every rank reported a save job (ok: all wrote it)
     place_load(req_id, per_rank, stamp) -> entries by rank, or None when the hit is gone
     load_done(req_id)                    the workers reported the load
@@ -57,9 +58,7 @@ class StorePlacement:
     def known(self, keys: Sequence[str]) -> List[bool]:
         return self.store.exists(keys)
 
-    def stamp(self) -> int:
-        """Mooncake evicts by itself: no order to keep."""
-        return 0
+    ranks_evictions = False  # Mooncake evicts by itself
 
     def place_saves(self, per_rank: List[List[Entry]], ranks=None):
         keys = [key for entries in per_rank for key, _, _ in entries]

@@ -214,8 +214,9 @@ class SchedulerSide(Outcomes):
                 self.engine.count("load_missing_destination")
                 self._fail_load(rid, meta)
                 return
-            # A load makes its prefix the request's: what it saves next extends it.
-            stamp = self._stamps[rid] = self.placement.stamp()
+            stamp = None
+            if self.placement.ranks_evictions:  # a load makes its prefix the request's: its saves extend it
+                stamp = self._stamps[rid] = self.placement.stamp()
             placed = self.placement.place_load(rid, [list(plan.gets) for plan in plans], stamp)
             if placed is None:  # gone from the store since the lookup
                 self.engine.count("load_not_ready")
@@ -255,7 +256,8 @@ class SchedulerSide(Outcomes):
         states = self.engine.request_states([save.req_id for save in saves])
         start = [state.planned for state in states]
         per_rank, owners, failed, ends = [], {}, set(), []
-        depths: Dict[str, int] = {}
+        # Each key's depth, for a placement that evicts (the arena): deepest blocks first.
+        depths: Optional[Dict[str, int]] = {} if self.placement.ranks_evictions else None
         for planner in self.rank_planners:
             for state, planned in zip(states, start):  # every rank plans from the same offsets
                 state.planned = planned
@@ -267,11 +269,15 @@ class SchedulerSide(Outcomes):
             for key, rids in rank_owners.items():
                 owners.setdefault(key, rids)
         per_rank = self._without_known(per_rank)
-        # Eviction order (the arena's): a key goes with the newest request that wrote it, the
-        # deepest blocks of a request first.
-        ranks = {
-            key: (max(self._stamp(rid) for rid in owners[key]), depth) for key, depth in depths.items() if key in owners
-        }
+        # Eviction order: a key goes with the newest request that wrote it, the deepest blocks
+        # of a request first.
+        ranks = None
+        if depths is not None:
+            ranks = {
+                key: (max(self._stamp(rid) for rid in owners[key]), depth)
+                for key, depth in depths.items()
+                if key in owners
+            }
         placed, keys, refused = self.placement.place_saves(per_rank, ranks)
         if refused:
             self.engine.count("put_full", len(refused))
