@@ -57,7 +57,6 @@ VOCAB = 150_000
 POLICIES = ("dense", "vllm-reachable", "kvstride")
 # Not in "all": kvstride's admission with the plain LRU index (an ablation of its eviction).
 EXTRA_POLICIES = ("kvstride-admission",)
-WINDOW_KINDS = ("sliding_window", "chunked_local")
 ATTENTION_KINDS = ("full_attention", "mla")
 MODELS_DIR = os.path.join(os.path.dirname(__file__), "models")
 DEFAULT_MODEL = "qwen3-next-80b"
@@ -261,7 +260,6 @@ class TraceReplay:
         self.groups = groups
         self.participating = [g for g, k in enumerate(self.planner.hashes_per_block) if k]
         self.fa = [g for g in self.participating if groups[g].kind in ATTENTION_KINDS]
-        self.windows = [g for g in self.participating if groups[g].kind in WINDOW_KINDS]
         self.mambas = [g for g in self.participating if groups[g].kind == "mamba"]
         self.block = [g.block_size for g in groups]
         self.ghost_grain = self.a * max(1, -(-256 // self.a))
