@@ -433,21 +433,27 @@ def test_window_blocks_after_failed_saves_are_stored_as_computed(model_dirs, mon
 P481 = [(7 * i + 3) % 500 + 3 for i in range(15 * 32 + 1)]
 
 
-def _repeat_481(llm, hits: Optional[list] = None) -> dict:
-    """P481, then its exact repeat after a forced miss; ``hits`` gets each request's external
-    hit tokens (with a connector). Ends with vLLM's blocks back (``assert_idle``)."""
+def _forced_miss_phases(llm, phases, hits: Optional[list] = None) -> dict:
+    """Each ``(phase, prompt)`` in turn, every one after the first after a forced miss;
+    ``hits`` gets each request's external hit tokens (with a connector). Ends with vLLM's
+    blocks back (``assert_idle``)."""
     sched = _scheduler_side(llm)
     idle = harness.free_blocks(llm)
     out = {}
-    for phase in ("first", "repeat"):
-        if phase == "repeat":
-            harness.drain_and_forget(llm, 1)
+    for seed, (phase, prompt) in enumerate(phases):
+        if seed:
+            harness.drain_and_forget(llm, seed)
         before = sched.matched_tokens if sched is not None else 0
-        out[phase] = harness.generate(llm, P481)
+        out[phase] = harness.generate(llm, prompt)
         if hits is not None:
             hits.append(sched.matched_tokens - before)
     harness.assert_idle(llm, idle)
     return out
+
+
+def _repeat_481(llm, hits: Optional[list] = None) -> dict:
+    """P481, then its exact repeat after a forced miss."""
+    return _forced_miss_phases(llm, (("first", P481), ("repeat", P481)), hits)
 
 
 @pytest.mark.parametrize("kind", ["embedded", "mooncake"])
@@ -484,20 +490,8 @@ def _admission_phases():
 
 
 def _admission_workload(llm, hits: Optional[list] = None) -> dict:
-    """The admission phases, each after a forced miss; ``hits`` gets each one's external hit.
-    Ends with vLLM's blocks back (``assert_idle``)."""
-    sched = _scheduler_side(llm)
-    idle = harness.free_blocks(llm)
-    out = {}
-    for seed, (phase, prompt) in enumerate(_admission_phases()):
-        if seed:
-            harness.drain_and_forget(llm, seed)
-        before = sched.matched_tokens if sched is not None else 0
-        out[phase] = harness.generate(llm, prompt)
-        if hits is not None:
-            hits.append(sched.matched_tokens - before)
-    harness.assert_idle(llm, idle)
-    return out
+    """The admission phases, each after a forced miss."""
+    return _forced_miss_phases(llm, _admission_phases(), hits)
 
 
 def _admission_run(model_dirs, store: dict):
@@ -530,7 +524,7 @@ def test_window_blocks_are_stored_only_where_a_lookup_can_hit(model_dirs, plain_
     got, hits, counters = _admission_run(model_dirs, store)
     assert hits == [0, 0, harness.SHARED_TOKENS, 448], (hits, counters)
     assert harness.mismatches(got, want) == []
-    assert not counters.get("load_failed") and not counters.get("corrupt"), counters
+    assert not counters.get("loads_failed") and not counters.get("get_corrupt"), counters
     if kind == "embedded":
         dense = _store_config(kind, master, f"admission-dense-{os.getpid()}") | {"admission": "dense"}
         got_dense, hits_dense, counters_dense = _admission_run(model_dirs, dense)
