@@ -26,15 +26,17 @@ TP = 2
 
 
 class CountingStore(EmbeddedStore):
-    """The embedded store, counting its existence calls."""
+    """The embedded store, counting its existence calls; it holds ``present`` (what other
+    engines wrote) and nothing else."""
 
     def __init__(self) -> None:
         super().__init__(1 << 20, slot_bytes=4096)
         self.exists_calls = 0
+        self.present: set = set()
 
     def exists(self, keys):
         self.exists_calls += 1
-        return super().exists(keys)
+        return [key in self.present for key in keys]
 
 
 def _config() -> ConnectorConfig:
@@ -67,23 +69,65 @@ def _prefill_step(request, tokens: int, tables):
     )
 
 
-def test_a_step_asks_the_store_once_for_every_ranks_saves():
+def _report(side, job_ids, ok: int = TP) -> None:
+    """Every rank wrote ``job_ids``, as vLLM hands the workers' metadata back."""
+    reports = {job: [ok, 0, 0] for job in job_ids}
+    side.update_connector_output(SimpleNamespace(
+        finished_recving=set(), failed_recving=set(), kv_connector_worker_meta=KVStrideWorkerMetadata(reports, []),
+    ))
+
+
+def test_saves_do_not_ask_a_shared_store_and_skip_what_lookups_found_or_this_engine_wrote():
     """With TP=2 on a shared store the scheduler plans both ranks' keys (they differ: each rank
-    keys its own heads) and asks the store what it has in one call for the step, not one per
-    rank; each rank is sent its own keys."""
+    keys its own heads). A step's saves ask the store nothing (a round trip every step): a key
+    is skipped where the request's lookup found it (a lookup asks every rank's keys), or where
+    this engine wrote it after that lookup; every other key is put, on each rank its own."""
     store = CountingStore()
     side = SchedulerSide(_config(), StorePlacement(store))
     try:
         tokens = 8 * BLOCK
         hashes = [hashlib.sha256(bytes([i])).digest() for i in range(tokens // BLOCK)]
-        request = SimpleNamespace(request_id="r", block_hashes=hashes, num_tokens=tokens, num_prompt_tokens=tokens)
-        side.on_new_request(request)
-        meta = side.build_connector_meta(_prefill_step(request, tokens, [list(range(1, 9))]))
-        assert store.exists_calls == 1
+        table = [list(range(1, 9))]
+
+        def request(rid):
+            return SimpleNamespace(request_id=rid, block_hashes=hashes, num_tokens=tokens, num_prompt_tokens=tokens)
+
+        rank0, rank1 = (
+            [key for key, _, _ in planner.plan_save(hashes, table, tokens, saved_offset=0).puts]
+            for planner in side.rank_planners
+        )
+        # Another engine wrote blocks 4 and 5 of rank 0 and block 4 of rank 1 (not 0..3: a
+        # miss, nothing is loaded).
+        store.present = set(rank0[4:6] + rank1[4:5])
+        first, second = request("first"), request("second")
+        for r in (first, second):
+            side.on_new_request(r)
+        assert side.get_num_new_matched_tokens(first, 0) == (0, False)
+        assert side.get_num_new_matched_tokens(second, 0) == (0, False)
+        assert store.exists_calls == 1  # one lookup for both
+
+        meta = side.build_connector_meta(_prefill_step(first, tokens, table))
+        assert store.exists_calls == 1  # the saves asked nothing
         ((job, by_rank),) = meta.saves.items()
         assert sorted(by_rank) == [0, 1]
+        # Block ids are the table's: block 4 is id 5.
+        expected = [[1, 2, 3, 4, 7, 8], [1, 2, 3, 4, 6, 7, 8]]
+        assert [sorted(block for _, _, block in by_rank[rank]) for rank in range(TP)] == expected
         keys = [{key for key, _, _ in by_rank[rank]} for rank in range(TP)]
-        assert len(keys[0]) == len(keys[1]) == 8 and not keys[0] & keys[1]
+        assert keys == [set(rank0[:4] + rank0[6:]), set(rank1[:4] + rank1[5:])]
+        _report(side, [job])
+
+        # Looked up before "first"'s job was reported: what it wrote is not put again.
+        meta = side.build_connector_meta(_prefill_step(second, tokens, table))
+        assert meta.saves == {} and store.exists_calls == 1
+
+        # A lookup after the write that does not find it (evicted since): put again.
+        third = request("third")
+        side.on_new_request(third)
+        assert side.get_num_new_matched_tokens(third, 0) == (0, False)
+        meta = side.build_connector_meta(_prefill_step(third, tokens, table))
+        ((job, by_rank),) = meta.saves.items()
+        assert [sorted(block for _, _, block in by_rank[rank]) for rank in range(TP)] == expected
     finally:
         side.shutdown()
         store.close()
@@ -168,10 +212,7 @@ def _saved_block_by_block(side, request, tables) -> None:
     side.on_new_request(request)
     for computed in range(0, request.num_tokens, BLOCK):
         meta = side.build_connector_meta(_step(request, computed, BLOCK, tables))
-        reports = {job: [1, 0, 0] for job in meta.saves}
-        side.update_connector_output(SimpleNamespace(
-            finished_recving=set(), failed_recving=set(), kv_connector_worker_meta=KVStrideWorkerMetadata(reports, []),
-        ))
+        _report(side, meta.saves, ok=1)
     side.request_finished_all_groups(request, ())
 
 

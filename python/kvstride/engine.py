@@ -328,22 +328,24 @@ class OffloadEngine:
 
     # ---- scheduler side ------------------------------------------------------------------
 
-    def lookup(self, requests: Sequence[Tuple[str, Sequence[bytes], int]]) -> Dict[str, int]:
+    def lookup(self, requests: Sequence[Tuple[str, Sequence[bytes], int]],
+               present: Optional[Dict[str, set]] = None) -> Dict[str, int]:
         """Longest joint hit per request, from one existence call for the whole batch. After
-        ``shutdown`` every request misses and the store is not called."""
+        ``shutdown`` every request misses and the store is not called. ``present``, if given,
+        gets each request's keys the store holds (a save need not put them again)."""
         with self._lock:
             if self._closed:
                 self.count("lookups_refused", len(requests))
                 return {req_id: 0 for req_id, _, _ in requests}
             self._lookups_in_flight += 1
         try:
-            return self._lookup(requests)
+            return self._lookup(requests, present)
         finally:
             with self._lock:
                 self._lookups_in_flight -= 1
                 self._idle.notify_all()
 
-    def _lookup(self, requests) -> Dict[str, int]:
+    def _lookup(self, requests, present_out: Optional[Dict[str, set]]) -> Dict[str, int]:
         start = time.perf_counter()
         per_request = []
         unique: Dict[str, int] = {}
@@ -374,6 +376,8 @@ class OffloadEngine:
                 continue
             bitmap = [present[unique[k]] for k in keys]
             hits[req_id] = self.planner.longest_hit_bitmap(hashes, num_tokens, bitmap)
+            if present_out is not None:
+                present_out[req_id] = {k for k, p in zip(keys, bitmap) if p}
         with self._lock:
             self.counters["lookups"] += len(per_request)
             self.counters["lookup_hit_tokens"] += sum(hits.values())

@@ -238,6 +238,7 @@ class ArenaPlacement:
     def known(self, keys: Sequence[str]) -> List[bool]:
         return self.index.known(keys)
 
+    knows_contents = True
     ranks_evictions = True
 
     def stamp(self) -> int:

@@ -5,7 +5,10 @@ the same way and never asks which store it has.
 A placement turns the keys the core planned into the entries workers execute, per TP rank::
 
     exists(keys) -> list[bool]           readable by a load now (lookups)
-    known(keys) -> list[bool]            a save need not write them (stored, or being written)
+    knows_contents                       True where the scheduler holds the index (the arena),
+                                         which then answers without a round trip
+    known(keys) -> list[bool]            (only then) a save need not write them (stored, or
+                                         being written)
     ranks_evictions                      True where the placement evicts (the arena's SlotIndex):
                                          it takes an eviction order, and then has
     stamp() -> int                       a recency stamp newer than every one before
@@ -55,9 +58,7 @@ class StorePlacement:
     def exists(self, keys: Sequence[str]) -> List[bool]:
         return self.store.exists(keys)
 
-    def known(self, keys: Sequence[str]) -> List[bool]:
-        return self.store.exists(keys)
-
+    knows_contents = False  # the store says, one round trip a call
     ranks_evictions = False  # Mooncake evicts by itself
 
     def place_saves(self, per_rank: List[List[Entry]], ranks=None):

@@ -14,6 +14,7 @@ hand-offs (``kv_connector_block_state.boundary_state_offloads`` each step, and
 from __future__ import annotations
 
 import logging
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Tuple
 
@@ -36,9 +37,14 @@ ABANDON_AFTER_STEPS = 64
 #: first: about 20 MiB of 32-byte hashes in Python objects.
 JUNCTION_MEMORY = 1 << 17
 
+#: Keys this engine's save jobs wrote, remembered (the oldest forgotten first) so that a request
+#: whose lookup came before they were written does not put them again: about 20 MiB.
+WRITTEN_MEMORY = 1 << 17
+
 
 def _nothing_known(keys) -> List[bool]:
-    """Plans keep every key; what is stored is asked once for every rank's keys."""
+    """Plans keep every key; what need not be written is decided once for every rank's keys
+    (``SchedulerSide._without_known``)."""
     return [False] * len(keys)
 
 
@@ -91,6 +97,12 @@ class SchedulerSide(Outcomes):
         self._admitted: Dict[str, Optional[List[int]]] = {}  # req id -> its hit-capable boundaries
         self._stamps: Dict[str, int] = {}  # req id -> its recency in the placement's eviction order
         self._lookup_batch = config.lookup_batch
+        # What a save need not put, for a store the scheduler cannot see into without a round
+        # trip each step (Mooncake): the keys each request's lookup found, and those this engine
+        # wrote since the request's lookup.
+        self._found: Dict[str, set] = {}  # req id -> its keys the store held at its lookup
+        self._looked_up_at: Dict[str, int] = {}  # req id -> the step of its lookup (or arrival)
+        self._written: "OrderedDict[str, int]" = OrderedDict()  # key -> the step its job was reported
 
     def shutdown(self) -> None:
         self._shut_engine()
@@ -133,8 +145,10 @@ class SchedulerSide(Outcomes):
             if rid not in self._recompute and rid not in self._step_hits:
                 batch[rid] = r
         # The core keeps the last token for vLLM to compute (SEMANTICS §6).
-        hits = self.engine.lookup([(rid, list(r.block_hashes), int(r.num_tokens)) for rid, r in batch.items()])
+        found = None if self.placement.knows_contents else self._found
+        hits = self.engine.lookup([(rid, list(r.block_hashes), int(r.num_tokens)) for rid, r in batch.items()], found)
         self._step_hits.update(hits)
+        self._looked_up_at.update((rid, self._step) for rid in batch)
         return hits[request.request_id]
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
@@ -171,6 +185,7 @@ class SchedulerSide(Outcomes):
     def on_new_request(self, request) -> None:
         self._requests[request.request_id] = request
         self._waiting[request.request_id] = request
+        self._looked_up_at[request.request_id] = self._step
 
     def build_connector_meta(self, scheduler_output) -> KVStrideMetadata:
         """The step's plans: every load and save of both stores is planned here, from the
@@ -268,7 +283,7 @@ class SchedulerSide(Outcomes):
             failed |= rank_failed
             for key, rids in rank_owners.items():
                 owners.setdefault(key, rids)
-        per_rank = self._without_known(per_rank)
+        per_rank = self._without_known(per_rank, owners)
         # Eviction order: a key goes with the newest request that wrote it, the deepest blocks
         # of a request first.
         ranks = None
@@ -293,17 +308,43 @@ class SchedulerSide(Outcomes):
         self._jobs[job_id] = job
         meta.saves[job_id] = placed
 
-    def _without_known(self, per_rank: List[list]) -> List[list]:
-        """Every rank's entries minus the keys the placement knows, asked in one call."""
-        keys = list(dict.fromkeys(key for entries in per_rank for key, _, _ in entries))
-        if not keys:
+    def _without_known(self, per_rank: List[list], owners: Dict[str, List[str]]) -> List[list]:
+        """Every rank's entries minus the keys a save need not write. The arena's index knows
+        them. A shared store is not asked (a round trip every step): a key is skipped when its
+        request's lookup found it, or when a save job of this engine wrote it after that
+        lookup. Any other key is put: a put of a key another engine (or a job still out)
+        writes meanwhile keeps the first value (Mooncake's puts are first-writer-wins)."""
+        if self.placement.knows_contents:
+            keys = list(dict.fromkeys(key for entries in per_rank for key, _, _ in entries))
+            known = {key for key, p in zip(keys, self.placement.known(keys)) if p} if keys else set()
+        else:
+            # A lookup asks every rank's keys (SEMANTICS §4), so each rank's are found or not.
+            known = {key for entries in per_rank for key, _, _ in entries if self._is_known(key, owners[key])}
+        if not known:
             return per_rank
-        present = [bool(p) for p in self.placement.known(keys)]
-        if len(present) != len(keys):  # a short answer: put everything (puts are idempotent)
-            return per_rank
-        known = {key for key, p in zip(keys, present) if p}
         self.engine.count("put_skipped_present", sum(key in known for entries in per_rank for key, _, _ in entries))
         return [[entry for entry in entries if entry[0] not in known] for entries in per_rank]
+
+    def _is_known(self, key: str, rids: List[str]) -> bool:
+        written = self._written.get(key)
+        for rid in rids:
+            if key in self._found.get(rid, ()):
+                return True
+            # Reports come after the step's schedule (and its lookups): a later step's report
+            # is a write the lookup could not see.
+            if written is not None and written > self._looked_up_at.get(rid, 0):
+                return True
+        return False
+
+    def _jobs_keys_reported(self, keys: List[str], ok: bool) -> None:
+        """A save job every rank wrote: its keys are remembered for ``_without_known``."""
+        if self.placement.knows_contents or not ok:
+            return
+        for key in keys:
+            self._written[key] = self._step
+            self._written.move_to_end(key)
+        while len(self._written) > WRITTEN_MEMORY:
+            self._written.popitem(last=False)
 
     def _abandon_stale_jobs(self) -> None:
         """Save jobs not every rank reported within ``ABANDON_AFTER_STEPS`` steps (a report
@@ -333,6 +374,7 @@ class SchedulerSide(Outcomes):
             if job.bad:
                 job.failed.update(rid for key in job.keys for rid in job.owners[key])
             self.placement.saves_done(job.keys, ok=not job.bad)
+            self._jobs_keys_reported(job.keys, ok=not job.bad and not job.deferred)
             self._finish_job(job)
 
     def _finish_job(self, job: "_SaveJob") -> None:
@@ -470,6 +512,8 @@ class SchedulerSide(Outcomes):
         self._recompute.discard(rid)
         self._admitted.pop(rid, None)
         self._stamps.pop(rid, None)
+        self._found.pop(rid, None)
+        self._looked_up_at.pop(rid, None)
         self.engine.finish_request(rid)
         if self._pending_loads.pop(rid, None) is not None:  # never sent: nothing writes them
             self._loading.discard(rid)
