@@ -4,7 +4,7 @@
         [--prompts 48] [--reps 3] [--trials 5] [--configs all] [--retention dense|TOKENS] [--json out.json]
 
 Run it from the repo root with the vLLM venv's python. Each (model, configuration) runs in its
-own subprocess: one in-process engine (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, ``uni``),
+own subprocess, booted once and kept: one in-process engine (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, ``uni``),
 ``PYTHONHASHSEED=0``, the engine settings, models and prompts of ``tests/vllm_harness.py``
 (tiny random-weight models), with ``--retention`` as vLLM's ``prefix_cache_retention_interval``
 (the tests' dense checkpoints by default; ``0`` is vLLM's default, under which kvstride's
@@ -26,11 +26,18 @@ The Mooncake store is ``python -m kvstride.cli store serve --bytes ... --config-
 (master + the segment holder on 127.0.0.1), started and stopped here; the engines are pure
 clients (segment 0, "standalone-store") reading ``MOONCAKE_CONFIG_PATH=F``.
 
+The reps are interleaved: rep r of every configuration runs before rep r + 1 of any, the order
+rotated each round, one engine at a time (the others idle), so that this machine's drift (tens
+of percent over minutes) falls on every configuration alike.
+
 Measured per configuration:
 
 - write-through: wall time of one ``generate`` of N fresh, distinct 480-token prompts
-  (``--max-tokens`` each), until every save is done (kvstride-mooncake's save lane idle, the
-  scheduler without requests or pending push work); the median of ``--reps``, new prompts each;
+  (``--max-tokens`` each, the same prompts for every configuration in a round), until every
+  save is done (kvstride-mooncake's save lane idle, the scheduler without requests or pending
+  push work); the median of ``--reps``. "added": each round's time minus ``none``'s in the
+  same round (the write-through cost over the engine alone), its median, and that over the
+  peer's median (in brackets the median of the per-round ratios);
 - TTFT on a hit: store a fresh prompt, drain + ``reset_prefix_cache()`` + random KV
   (``harness.drain_and_forget``), then time one request sharing 384 of its 480 tokens with
   max_tokens=1; median over ``--trials``. For ``none`` this is a miss (full prefill). It
@@ -53,6 +60,7 @@ import json
 import os
 import platform
 import random
+import select
 import shutil
 import signal
 import statistics
@@ -222,116 +230,139 @@ def delta(after, before):
     return [a - b for a, b in zip(after, before)]
 
 
-def run_child(spec: dict) -> dict:
-    import vllm_harness as harness
-    from vllm import LLM, SamplingParams
-    from vllm.inputs import TokensPrompt
+class ChildEngine:
+    """One configuration's engine, booted and warmed up once; the parent asks it for one
+    write-through rep or one TTFT trial at a time, interleaved with the other configurations'."""
 
-    model = harness.MODELS[spec["model"]]
-    kwargs = harness.engine_kwargs(model, spec["path"], prefix_cache_retention_interval=spec["retention"])
-    ktc = transfer_config(spec["config"], spec["scratch"])
-    if ktc is not None:
-        kwargs["kv_transfer_config"] = ktc
-    start = time.perf_counter()
-    llm = LLM(**kwargs)
-    result = {"boot_s": time.perf_counter() - start}
-    core = llm.llm_engine.engine_core.engine_core
-    sched = core.scheduler
-    conn = sched.connector
-    worker = None
-    if conn is not None:
-        from vllm.distributed.kv_transfer.kv_transfer_state import get_kv_transfer_group
+    def __init__(self, spec: dict):
+        import vllm_harness as harness
+        from vllm import LLM
 
-        worker = get_kv_transfer_group()
-    probe, bytes_probe = SchedulerProbe(conn), ByteProbe(worker)
+        self.harness, self.spec = harness, spec
+        model = harness.MODELS[spec["model"]]
+        kwargs = harness.engine_kwargs(model, spec["path"], prefix_cache_retention_interval=spec["retention"])
+        ktc = transfer_config(spec["config"], spec["scratch"])
+        if ktc is not None:
+            kwargs["kv_transfer_config"] = ktc
+        start = time.perf_counter()
+        self.llm = LLM(**kwargs)
+        self.boot_s = time.perf_counter() - start
+        core = self.llm.llm_engine.engine_core.engine_core
+        self.sched = core.scheduler
+        self.worker = None
+        if self.sched.connector is not None:
+            from vllm.distributed.kv_transfer.kv_transfer_state import get_kv_transfer_group
 
-    def generate(prompts, max_tokens):
+            self.worker = get_kv_transfer_group()
+        self.probe, self.bytes_probe = SchedulerProbe(self.sched.connector), ByteProbe(self.worker)
+        self._warm_up()
+
+    def generate(self, prompts, max_tokens):
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
         sp = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, detokenize=False)
-        llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], sp, use_tqdm=False)
+        self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], sp, use_tqdm=False)
 
-    def wait_saved(timeout=120.0):
+    def wait_saved(self, timeout=120.0):
         """Every save of what ran so far is in its store."""
         deadline = time.monotonic() + timeout
-        engine = getattr(worker, "engine", None) if bytes_probe.kvstride else None
+        engine = getattr(self.worker, "engine", None) if self.bytes_probe.kvstride else None
         if engine is not None and not engine.wait_idle(timeout):  # kvstride-mooncake's save lane
             raise TimeoutError("kvstride save lane never went idle")
         # Finished requests held for their saves, the peer's store jobs (has_pending_push_work):
         # their completions reach the scheduler on a step.
-        while sched.has_requests():
+        while self.sched.has_requests():
             if time.monotonic() > deadline:
                 raise TimeoutError("the scheduler still has requests / pending saves")
-            llm.llm_engine.step()
+            self.llm.llm_engine.step()
             time.sleep(0.001)
 
-    def reset_local():
-        while not llm.reset_prefix_cache():
-            llm.llm_engine.step()
+    def reset_local(self):
+        while not self.llm.reset_prefix_cache():
+            self.llm.llm_engine.step()
             time.sleep(0.001)
 
-    n, mt = spec["prompts"], spec["max_tokens"]
-    # Warm-up (not measured): a few saves and one hit cycle.
-    generate([fresh_tokens(900_000 + i, PROMPT_TOKENS) for i in range(min(4, n))], mt)
-    wait_saved()
-    warm = fresh_tokens(910_000, PROMPT_TOKENS)
-    generate([warm], 1)
-    wait_saved()
-    harness.drain_and_forget(llm, 999)
-    generate([warm[:SHARED_TOKENS] + fresh_tokens(920_000, PROMPT_TOKENS - SHARED_TOKENS)], 1)
-    wait_saved()
+    def _warm_up(self):
+        """A few saves and one hit cycle, not measured."""
+        mt = self.spec["max_tokens"]
+        self.generate([fresh_tokens(900_000 + i, PROMPT_TOKENS) for i in range(min(4, self.spec["prompts"]))], mt)
+        self.wait_saved()
+        warm = fresh_tokens(910_000, PROMPT_TOKENS)
+        self.generate([warm], 1)
+        self.wait_saved()
+        self.harness.drain_and_forget(self.llm, 999)
+        self.generate([warm[:SHARED_TOKENS] + fresh_tokens(920_000, PROMPT_TOKENS - SHARED_TOKENS)], 1)
+        self.wait_saved()
 
-    # Write-through: N fresh prompts in one generate call, until all is saved.
-    reps = []
-    for r in range(spec["reps"]):
-        reset_local()
-        prompts = [fresh_tokens(1_000_000 + 10_000 * r + i, PROMPT_TOKENS) for i in range(n)]
-        s0, b0 = probe.snapshot(), bytes_probe.snapshot()
+    def write_rep(self, r: int) -> dict:
+        """Write-through: N fresh prompts (the same for every configuration in rep ``r``) in one
+        generate call, until all is saved."""
+        self.reset_local()
+        prompts = [fresh_tokens(1_000_000 + 10_000 * r + i, PROMPT_TOKENS) for i in range(self.spec["prompts"])]
+        s0, b0 = self.probe.snapshot(), self.bytes_probe.snapshot()
         t0 = time.perf_counter()
-        generate(prompts, mt)
+        self.generate(prompts, self.spec["max_tokens"])
         t1 = time.perf_counter()
-        wait_saved()
+        self.wait_saved()
         t2 = time.perf_counter()
-        s1, b1 = probe.snapshot(), bytes_probe.snapshot()
-        reps.append({
-            "generate_s": t1 - t0, "write_through_s": t2 - t0,
-            "sched_s": s1[0] - s0[0], "steps": s1[1] - s0[1], "ext_tokens": s1[2] - s0[2],
-            "bytes": delta(b1, b0),
-        })
-    result["write"] = reps
+        s1, b1 = self.probe.snapshot(), self.bytes_probe.snapshot()
+        return {"generate_s": t1 - t0, "write_through_s": t2 - t0,
+                "sched_s": s1[0] - s0[0], "steps": s1[1] - s0[1], "ext_tokens": s1[2] - s0[2],
+                "bytes": delta(b1, b0)}
 
-    # TTFT on a hit: store P1, forced miss, time P2 (shares 384 tokens).
-    trials = []
-    for t in range(spec["trials"]):
+    def hit_trial(self, t: int) -> dict:
+        """TTFT on a hit: store P1, forced miss, time P2 (shares 384 tokens)."""
         p1 = fresh_tokens(2_000_000 + t, PROMPT_TOKENS)
-        generate([p1], mt)
-        wait_saved()
-        harness.drain_and_forget(llm, 100 + t)
+        self.generate([p1], self.spec["max_tokens"])
+        self.wait_saved()
+        self.harness.drain_and_forget(self.llm, 100 + t)
         p2 = p1[:SHARED_TOKENS] + fresh_tokens(3_000_000 + t, PROMPT_TOKENS - SHARED_TOKENS)
-        s0, b0 = probe.snapshot(), bytes_probe.snapshot()
+        s0, b0 = self.probe.snapshot(), self.bytes_probe.snapshot()
         t0 = time.perf_counter()
-        generate([p2], 1)
+        self.generate([p2], 1)
         ttft = time.perf_counter() - t0
-        wait_saved()
-        s1, b1 = probe.snapshot(), bytes_probe.snapshot()
-        trials.append({"ttft_s": ttft, "ext_tokens": s1[2] - s0[2], "steps": s1[1] - s0[1],
-                       "sched_s": s1[0] - s0[0], "bytes": delta(b1, b0)})
-    result["hit"] = trials
-    if bytes_probe.kvstride:
-        result["worker_counters"] = {k: int(v) for k, v in worker.counters.items()}
-    result["threads"] = thread_report()
-    harness.close(llm)
-    return result
+        self.wait_saved()
+        s1, b1 = self.probe.snapshot(), self.bytes_probe.snapshot()
+        return {"ttft_s": ttft, "ext_tokens": s1[2] - s0[2], "steps": s1[1] - s0[1],
+                "sched_s": s1[0] - s0[0], "bytes": delta(b1, b0)}
+
+    def finish(self) -> dict:
+        out = {"threads": thread_report()}
+        if self.bytes_probe.kvstride:
+            out["worker_counters"] = {k: int(v) for k, v in self.worker.counters.items()}
+        self.harness.close(self.llm)
+        return out
 
 
-def child_main(spec_json: str) -> int:
+def child_main(spec_json: str, reply_fd: int) -> int:
+    """Boots the engine, answers ``ready``, then runs each command read from stdin (``write R``,
+    ``hit T``, ``finish``) and answers one JSON line on ``reply_fd`` per command."""
     spec = json.loads(spec_json)
+    reply = os.fdopen(reply_fd, "w")
+
+    def answer(out: dict) -> None:
+        reply.write(json.dumps(out) + "\n")
+        reply.flush()
+
+    engine = None
     try:
-        out = {"ok": True, **run_child(spec)}
+        engine = ChildEngine(spec)
+        answer({"ok": True, "boot_s": engine.boot_s})
+        for line in sys.stdin:
+            op, _, arg = line.strip().partition(" ")
+            if op == "write":
+                answer({"ok": True, **engine.write_rep(int(arg))})
+            elif op == "hit":
+                answer({"ok": True, **engine.hit_trial(int(arg))})
+            elif op == "finish":
+                answer({"ok": True, **engine.finish()})
+                break
     except BaseException as err:  # reported to the parent, which shows it in the table
         import traceback
 
         traceback.print_exc()
-        out = {"ok": False, "error": f"{type(err).__name__}: {err}"}
-    Path(spec["out"]).write_text(json.dumps(out))
+        answer({"ok": False, "error": f"{type(err).__name__}: {err}"})
     sys.stdout.flush()
     os._exit(0)  # skip interpreter teardown (vLLM / Mooncake threads)
 
@@ -396,48 +427,124 @@ def last_error(log_path: str) -> str:
     return lines[-1][-400:] if lines else "no output"
 
 
-def run_config(model: str, path: str, config: str, args, scratch: str, store) -> dict:
-    tag = f"{model}-{config}"
-    out_path = os.path.join(scratch, f"{tag}.json")
-    log_path = os.path.join(scratch, f"{tag}.log")
-    child_scratch = os.path.join(scratch, tag)
-    os.makedirs(os.path.join(child_scratch, "rpc"), exist_ok=True)
-    spec = dict(model=model, path=path, config=config, prompts=args.prompts, reps=args.reps, retention=args.retention,
-                trials=args.trials, max_tokens=args.max_tokens, out=out_path, scratch=child_scratch)
-    env = dict(os.environ)
-    env.update(
-        VLLM_ENABLE_V1_MULTIPROCESSING="0", PYTHONHASHSEED="0",
-        VLLM_HOST_IP="127.0.0.1",  # the peer's Mooncake client advertises this address
-        MC_TCP_BIND_ADDRESS="127.0.0.1",
-        # The peer's scheduler->worker lookup socket is ipc://$VLLM_RPC_BASE_PATH/lookup_rpc_port_0_...:
-        # private, so that other vLLM runs on this machine cannot collide with it.
-        VLLM_RPC_BASE_PATH=os.path.join(child_scratch, "rpc"),
-        PYTHONPATH=os.pathsep.join([str(ROOT / "tests"), str(ROOT / "python"), env.get("PYTHONPATH", "")]),
-    )
-    if store is not None:
-        env["MOONCAKE_CONFIG_PATH"] = store.config_path
-    else:
-        env.pop("MOONCAKE_CONFIG_PATH", None)
-    start = time.monotonic()
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen([sys.executable, __file__, "--child", json.dumps(spec)], env=env, cwd=str(ROOT),
-                                stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+class Child:
+    """One configuration's engine subprocess (``--child``): booted once, then asked for one rep
+    or trial at a time. A child that fails or times out is stopped and its error kept."""
+
+    def __init__(self, model: str, path: str, config: str, args, scratch: str, store):
+        self.config, self.timeout = config, args.timeout
+        tag = f"{model}-{config}"
+        self.log_path = os.path.join(scratch, f"{tag}.log")
+        child_scratch = os.path.join(scratch, tag)
+        os.makedirs(os.path.join(child_scratch, "rpc"), exist_ok=True)
+        spec = dict(model=model, path=path, config=config, prompts=args.prompts, retention=args.retention,
+                    max_tokens=args.max_tokens, scratch=child_scratch)
+        env = dict(os.environ)
+        env.update(
+            VLLM_ENABLE_V1_MULTIPROCESSING="0", PYTHONHASHSEED="0",
+            VLLM_HOST_IP="127.0.0.1",  # the peer's Mooncake client advertises this address
+            MC_TCP_BIND_ADDRESS="127.0.0.1",
+            # The peer's scheduler->worker lookup socket is ipc://$VLLM_RPC_BASE_PATH/lookup_rpc_port_0_...:
+            # private, so that other vLLM runs on this machine cannot collide with it.
+            VLLM_RPC_BASE_PATH=os.path.join(child_scratch, "rpc"),
+            PYTHONPATH=os.pathsep.join([str(ROOT / "tests"), str(ROOT / "python"), env.get("PYTHONPATH", "")]),
+        )
+        if store is not None:
+            env["MOONCAKE_CONFIG_PATH"] = store.config_path
+        else:
+            env.pop("MOONCAKE_CONFIG_PATH", None)
+        read_fd, write_fd = os.pipe()
+        self.log = open(self.log_path, "wb")
+        self.proc = subprocess.Popen(
+            [sys.executable, __file__, "--child", json.dumps(spec), "--reply-fd", str(write_fd)],
+            env=env, cwd=str(ROOT), stdin=subprocess.PIPE, stdout=self.log, stderr=subprocess.STDOUT,
+            start_new_session=True, pass_fds=(write_fd,), text=True,
+        )
+        os.close(write_fd)
+        self.replies = os.fdopen(read_fd)
+        self.result = {"ok": True, "write": [], "hit": []}
+        self.start = time.monotonic()
+        boot = self._reply()
+        if boot.get("ok"):
+            self.result["boot_s"] = boot["boot_s"]
+
+    @property
+    def ok(self) -> bool:
+        return self.result.get("ok", False)
+
+    def _reply(self) -> dict:
+        """The child's answer to its last command (or to booting)."""
+        ready, _, _ = select.select([self.replies], [], [], self.timeout)
+        line = self.replies.readline() if ready else ""
+        out = json.loads(line) if line else {"ok": False, "error": "no answer" + ("" if ready else " (timeout)")}
+        if not out.get("ok"):
+            self.fail(out.get("error"))
+        return out
+
+    def fail(self, error) -> None:
+        line = last_error(self.log_path)
+        self.result = {"ok": False, "error": error if line in str(error) else f"{error} | log: {line}"}
+        self.stop()
+
+    def ask(self, command: str, into: str) -> None:
+        """Runs ``write R`` or ``hit T`` and appends its figures to ``result[into]``."""
+        if not self.ok:
+            return
         try:
-            proc.wait(args.timeout)
+            self.proc.stdin.write(command + "\n")
+            self.proc.stdin.flush()
+        except OSError as err:
+            self.fail(f"the child is gone: {err!r}")
+            return
+        out = self._reply()
+        if out.get("ok"):
+            self.result[into].append({k: v for k, v in out.items() if k != "ok"})
+
+    def finish(self) -> dict:
+        if self.ok:
+            try:
+                self.proc.stdin.write("finish\n")
+                self.proc.stdin.flush()
+            except OSError as err:
+                self.fail(f"the child is gone: {err!r}")
+            else:
+                out = self._reply()
+                if out.get("ok"):
+                    self.result.update({k: v for k, v in out.items() if k != "ok"})
+        self.stop()
+        self.result["log"], self.result["wall_s"] = self.log_path, time.monotonic() - self.start
+        return self.result
+
+    def stop(self) -> None:
+        try:
+            self.proc.wait(30)
         except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)  # its own session: only what it started
-            proc.wait()
-    wall = time.monotonic() - start
-    if os.path.exists(out_path):
-        res = json.loads(Path(out_path).read_text())
-    else:
-        res = {"ok": False, "error": f"exit {proc.returncode}" + (" (timeout)" if wall >= args.timeout else "")}
-    if not res.get("ok"):
-        line = last_error(log_path)
-        if line not in str(res.get("error")):
-            res["error"] = f"{res.get('error')} | log: {line}"
-    res["log"], res["wall_s"] = log_path, wall
-    return res
+            os.killpg(self.proc.pid, signal.SIGKILL)  # its own session: only what it started
+            self.proc.wait()
+        self.replies.close()
+        self.log.close()
+
+
+def run_model(model: str, path: str, configs, args, scratch: str, store) -> dict:
+    """Every configuration's engine booted (one after another), then rounds: rep r of every
+    configuration before rep r + 1 of any, the order rotated each round so that each
+    configuration runs at each position; the same for the TTFT trials. Engines not running
+    are idle (their configuration's figures are not measured while another runs)."""
+    children = []
+    for config in configs:
+        children.append(Child(model, path, config, args, scratch, store))
+        state = "booted" if children[-1].ok else f"FAILED: {children[-1].result['error'][:200]}"
+        print(f"# {model} / {config}: {state}", flush=True)
+    try:
+        for what, count in (("write", args.reps), ("hit", args.trials)):
+            for r in range(count):
+                shift = r % len(children)
+                for child in children[shift:] + children[:shift]:
+                    child.ask(f"{what} {r}", what)
+            print(f"# {model}: {count} {what} rounds done", flush=True)
+    finally:
+        results = {child.config: child.finish() for child in children}
+    return results
 
 
 def summarize(res: dict) -> dict:
@@ -464,6 +571,29 @@ def summarize(res: dict) -> dict:
     }
 
 
+def added_costs(raw: dict, rows: dict) -> None:
+    """Write-through cost over the engine alone, round by round (each rep against ``none``'s
+    rep of the same round): each configuration's median added seconds, and that over the
+    peer's (the median of the per-round ratios too, as a check on the ratio of medians)."""
+    base = raw.get("none", {})
+    if not base.get("ok"):
+        return
+    floor = [rep["write_through_s"] for rep in base["write"]]
+    added = {}
+    for config, res in raw.items():
+        if config == "none" or not res.get("ok") or len(res["write"]) != len(floor):
+            continue
+        added[config] = [rep["write_through_s"] - f for rep, f in zip(res["write"], floor)]
+        rows[config]["added_s"] = statistics.median(added[config])
+    peer = added.get(PEER)
+    if not peer or statistics.median(peer) <= 0:
+        return
+    for config, costs in added.items():
+        rows[config]["added_vs_peer"] = statistics.median(costs) / statistics.median(peer)
+        per_round = [c / p for c, p in zip(costs, peer) if p > 0]
+        rows[config]["added_vs_peer_per_round"] = statistics.median(per_round) if per_round else None
+
+
 def fmt_bytes(n) -> str:
     if n is None:
         return "n/a"
@@ -478,16 +608,22 @@ def print_table(model: str, rows: dict, args) -> None:
     print(f"\n### {model}: {args.prompts} prompts x {PROMPT_TOKENS} tokens, max_tokens={args.max_tokens}, "
           f"median of {args.reps} reps; TTFT median of {args.trials} (hit shares {SHARED_TOKENS} tokens); "
           f"prefix_cache_retention_interval={args.retention}\n")
-    print("| configuration | write-through s | vs peer | sched us/step | sched ms/rep | TTFT on hit ms "
-          "| hit tokens | bytes stored / rep | bytes loaded / hit |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print("| configuration | write-through s | vs peer | added s | added vs peer (per round) | sched us/step "
+          "| sched ms/rep | TTFT on hit ms | hit tokens | bytes stored / rep | bytes loaded / hit |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for name, s in rows.items():
         if "error" in s:
-            print(f"| {name} | did not run: {s['error'][:300]} | | | | | | | |")
+            print(f"| {name} | did not run: {s['error'][:300]} | | | | | | | | | |")
             continue
         ratio = f"{s['write_through_s'] / peer:.2f}x" if peer else "n/a"
+        added = f"{s['added_s']:.3f}" if "added_s" in s else "-"
+        added_ratio = "-"
+        if "added_vs_peer" in s:
+            added_ratio = f"{s['added_vs_peer']:.2f}x"
+            if s.get("added_vs_peer_per_round") is not None:
+                added_ratio += f" ({s['added_vs_peer_per_round']:.2f}x)"
         sched = "-" if s["sched_us_per_step"] is None else f"{s['sched_us_per_step']:.0f}"
-        print(f"| {name} | {s['write_through_s']:.3f} | {ratio} | {sched} | {s['sched_ms_per_rep']:.1f} | "
+        print(f"| {name} | {s['write_through_s']:.3f} | {ratio} | {added} | {added_ratio} | {sched} | {s['sched_ms_per_rep']:.1f} | "
               f"{s['ttft_hit_ms']:.1f} | "
               f"{s['hit_tokens']:.0f} | {fmt_bytes(s['bytes_stored_per_rep'])} | {fmt_bytes(s['bytes_loaded_per_hit'])} |")
 
@@ -508,13 +644,14 @@ def main() -> int:
     ap.add_argument("--trials", type=int, default=5, help="TTFT-on-hit trials (median is reported)")
     ap.add_argument("--max-tokens", type=int, default=1, help="tokens generated per write-through prompt")
     ap.add_argument("--store-bytes", default="1G", help="segment of the Mooncake store server")
-    ap.add_argument("--timeout", type=float, default=900, help="seconds per configuration subprocess")
+    ap.add_argument("--timeout", type=float, default=900, help="seconds an engine may take to boot, or to run one rep or trial")
     ap.add_argument("--json", metavar="PATH", help="also write every raw and summarized figure here")
     ap.add_argument("--keep", action="store_true", help="keep the scratch folder (models, logs)")
     ap.add_argument("--child", help=argparse.SUPPRESS)
+    ap.add_argument("--reply-fd", type=int, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
-        return child_main(args.child)
+        return child_main(args.child, args.reply_fd)
 
     import vllm_harness as harness
 
@@ -538,12 +675,9 @@ def main() -> int:
                   f"{Path(store.config_path).read_text().strip()}", flush=True)
         for model in models:
             path = harness.MODELS[model].build(Path(scratch) / "models" / model)
-            raw, rows = {}, {}
-            for config in configs:
-                res = run_config(model, path, config, args, scratch, store)
-                raw[config], rows[config] = res, summarize(res)
-                state = "ok" if res.get("ok") else f"FAILED: {res['error'][:200]}"
-                print(f"# {model} / {config}: {state} ({res['wall_s']:.0f} s)", flush=True)
+            raw = run_model(model, path, configs, args, scratch, store)
+            rows = {config: summarize(res) for config, res in raw.items()}
+            added_costs(raw, rows)
             print_table(model, rows, args)
             report["models"][model] = {"summary": rows, "raw": raw}
     finally:
