@@ -267,8 +267,7 @@ class ChildEngine:
     def wait_saved(self, timeout=120.0):
         """Every save of what ran so far is in its store."""
         deadline = time.monotonic() + timeout
-        engine = getattr(self.worker, "engine", None) if self.bytes_probe.kvstride else None
-        if engine is not None and not engine.wait_idle(timeout):  # kvstride-mooncake's save lane
+        if self.bytes_probe.kvstride and not self.worker.side.engine.wait_idle(timeout):  # Mooncake's save lane
             raise TimeoutError("kvstride save lane never went idle")
         # Finished requests held for their saves, the peer's store jobs (has_pending_push_work):
         # their completions reach the scheduler on a step.
