@@ -16,7 +16,7 @@ Use it with::
   ``mp``, ``vllm serve``, TP), within one engine. ``"mooncake"`` is a Mooncake store shared by
   engines and restarts, configured like vLLM's MooncakeStoreConnector (``MOONCAKE_CONFIG_PATH``;
   ``mooncake_*`` keys override it; ``kvstride store serve`` runs a long-lived one);
-- ``staging_bytes`` (Mooncake staging, default: what one full step can save), ``model_id`` (the key namespace's
+- ``staging_bytes`` (Mooncake staging, default: what eight full steps can save), ``model_id`` (the key namespace's
   model part, default the model path), ``cache_prefix``, ``secret_file`` (the deployment key);
 - ``admission``: ``"kvstride"`` (default) stores a window group's blocks only for the tails of
   boundaries a later lookup can hit at, under vLLM's ``prefix_cache_retention_interval``

@@ -138,17 +138,25 @@ def open_side_store(config, vllm_config, worker: bool):
     return (client if worker else StorePlacement(client)), client
 
 
+#: Full steps of saves the default staging pool holds: the save lane may trail the steps by a
+#: few puts before a step waits for room, so a put's latency does not land on every step
+#: (Gemma-3's bench steps waited 0.2-0.35 s a rep with room for one step). Few, because a
+#: job the workers have not reported within ``ABANDON_AFTER_STEPS`` (64) is planned again, and
+#: a window block that left vLLM's window meanwhile cannot be.
+STEPS_STAGED = 8
+
+
 def engine_transfer(store, layout, extra: dict, step_tokens: int, planner):
     """What a worker's engine moves blocks with: the layout alone for a store that copies
     blocks itself (the arena's slots), else a staging pool registered with the store, sized
-    by ``staging_bytes`` or, by default, what one full step of ``step_tokens`` can save plus
-    the loads' share."""
+    by ``staging_bytes`` or, by default, what ``STEPS_STAGED`` full steps of ``step_tokens``
+    can save plus the loads' share."""
     if hasattr(store, "bind_layout"):
         return layout
     if "staging_bytes" in extra:
         staging_bytes = parse_size(extra["staging_bytes"], "staging_bytes")
     else:  # with room for each block's value header where the engine stages one
-        staging_bytes = staging_bytes_for(layout, step_tokens, planner, header_room_for(store, layout))
+        staging_bytes = STEPS_STAGED * staging_bytes_for(layout, step_tokens, planner, header_room_for(store, layout))
     pool = StagingPool(staging_bytes)
     try:
         pool.register(store.register_buffer)
