@@ -318,7 +318,7 @@ class SchedulerSide(Outcomes):
             keys = list(dict.fromkeys(key for entries in per_rank for key, _, _ in entries))
             known = {key for key, p in zip(keys, self.placement.known(keys)) if p} if keys else set()
         else:
-            # A lookup asks every rank's keys (SEMANTICS §4), so each rank's are found or not.
+            # A lookup asks every rank's keys (SEMANTICS §6), so each rank's are found or not.
             known = {key for entries in per_rank for key, _, _ in entries if self._is_known(key, owners[key])}
         if not known:
             return per_rank
