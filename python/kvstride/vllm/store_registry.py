@@ -140,7 +140,7 @@ def open_side_store(config, vllm_config, worker: bool):
 
 #: Full steps of saves the default staging pool holds: the save lane may trail the steps by a
 #: few puts before a step waits for room, so a put's latency does not land on every step
-#: (Gemma-3's bench steps waited 0.2-0.35 s a rep with room for one step). Few, because a
+#: (Gemma-3's bench steps waited 0.12-0.46 s a rep with room for one step). Few, because a
 #: job the workers have not reported within ``ABANDON_AFTER_STEPS`` (64) is planned again, and
 #: a window block that left vLLM's window meanwhile cannot be.
 STEPS_STAGED = 8
