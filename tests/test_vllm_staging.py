@@ -13,14 +13,7 @@ pytest.importorskip("vllm")
 from kvstride.engine import OffloadEngine, SaveRequest  # noqa: E402
 from kvstride.vllm.store_registry import STEPS_STAGED, engine_transfer  # noqa: E402
 from mooncake_fixture import mooncake_master, mooncake_store  # noqa: E402,F401
-from test_staging_mooncake import BLOCK, Rig  # noqa: E402
-
-
-@pytest.fixture
-def rig(mooncake_store):
-    r = Rig(mooncake_store)
-    yield r
-    r.engine.shutdown()
+from test_staging_mooncake import BLOCK, rig  # noqa: E402,F401
 
 
 def test_the_connectors_default_pool_lets_the_save_lane_trail_the_steps(rig):
