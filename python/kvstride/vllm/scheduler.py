@@ -336,9 +336,9 @@ class SchedulerSide(Outcomes):
                 return True
         return False
 
-    def _jobs_keys_reported(self, keys: List[str], ok: bool) -> None:
-        """A save job every rank wrote: its keys are remembered for ``_without_known``."""
-        if self.placement.knows_contents or not ok:
+    def _remember_written(self, keys: List[str]) -> None:
+        """A save job every rank wrote: its keys, for ``_without_known`` (a shared store)."""
+        if self.placement.knows_contents:
             return
         for key in keys:
             self._written[key] = self._step
@@ -374,7 +374,8 @@ class SchedulerSide(Outcomes):
             if job.bad:
                 job.failed.update(rid for key in job.keys for rid in job.owners[key])
             self.placement.saves_done(job.keys, ok=not job.bad)
-            self._jobs_keys_reported(job.keys, ok=not job.bad and not job.deferred)
+            if not job.bad and not job.deferred:
+                self._remember_written(job.keys)
             self._finish_job(job)
 
     def _finish_job(self, job: "_SaveJob") -> None:
