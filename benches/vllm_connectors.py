@@ -485,31 +485,27 @@ class Child:
         self.result = {"ok": False, "error": error if line in str(error) else f"{error} | log: {line}"}
         self.stop()
 
-    def ask(self, command: str, into: str) -> None:
-        """Runs ``write R`` or ``hit T`` and appends its figures to ``result[into]``."""
+    def _command(self, command: str) -> dict:
+        """Sends ``command``; the child's figures, or {} once it failed (its error kept)."""
         if not self.ok:
-            return
+            return {}
         try:
             self.proc.stdin.write(command + "\n")
             self.proc.stdin.flush()
         except OSError as err:
             self.fail(f"the child is gone: {err!r}")
-            return
+            return {}
         out = self._reply()
-        if out.get("ok"):
-            self.result[into].append({k: v for k, v in out.items() if k != "ok"})
+        return {k: v for k, v in out.items() if k != "ok"} if out.get("ok") else {}
+
+    def ask(self, command: str, into: str) -> None:
+        """Runs ``write R`` or ``hit T`` and appends its figures to ``result[into]``."""
+        figures = self._command(command)
+        if figures:
+            self.result[into].append(figures)
 
     def finish(self) -> dict:
-        if self.ok:
-            try:
-                self.proc.stdin.write("finish\n")
-                self.proc.stdin.flush()
-            except OSError as err:
-                self.fail(f"the child is gone: {err!r}")
-            else:
-                out = self._reply()
-                if out.get("ok"):
-                    self.result.update({k: v for k, v in out.items() if k != "ok"})
+        self.result.update(self._command("finish"))
         self.stop()
         self.result["log"], self.result["wall_s"] = self.log_path, time.monotonic() - self.start
         return self.result
