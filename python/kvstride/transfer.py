@@ -1,12 +1,15 @@
 """Batched copies between the paged KV cache and a bounded host staging pool.
 
 A plan names blocks as ``(group, block_id)``.  ``Transfer.stage`` reserves room for them in the
-:class:`StagingPool` (one host allocation, pinned on CUDA, allocated once and reused) and lays
-each group's entries out piece-major: for piece ``j`` of the group, the ``n`` blocks' bytes
-are one contiguous ``(n, size_j)`` array.  So one block's stored payload is a list of
-``(address, size)`` parts (one row of each piece array) -- exactly what
-Mooncake's ``batch_*_multi_buffers`` calls and the embedded store take -- and the copies are
-batched per piece and group, whatever the number of blocks.  Never one Python call per block.
+:class:`StagingPool` (one host allocation, pinned on CUDA, allocated once and reused).  On CPU it
+lays each entry out whole: the group's pieces of one block back to back, so one block's stored
+payload is one ``(address, size)`` part -- what Mooncake's ``batch_*_multi_buffers`` calls and
+the embedded store take -- and Mooncake moves one slice per value (each further part of a value
+cost about as much as a whole 8 KiB value's transfer over TCP; ``benches/store.py``).  On CUDA it
+lays them out piece-major (for piece ``j`` of the group, the ``n`` blocks' bytes are one
+contiguous ``(n, size_j)`` array), which its torch copies need; a payload is then a part per
+piece.  Either way the copies are batched per piece and group, whatever the number of blocks.
+Never one Python call per block.
 
 The pool has a share for loads that saves cannot take (``StagingPool(load_bytes=...)``), so
 saves in flight never starve a load; ``staging_bytes_for`` sizes a pool for one step.
@@ -19,10 +22,9 @@ of it, ``after=``): device -> host is a device-side gather into a temporary then
 overwrites the blocks (``Fence.wait_stream``, no host sync).
 
 With ``Transfer.header_room`` set (the engine sets it on CPU for a store that takes it,
-``KVStore.takes_header_room``), each entry's first piece is staged after that many free bytes,
-room for the store's value header (``StagedBatch.value_parts``): the store then moves header
-and payload as one part fewer per value. (Not on CUDA: its copies are torch ops over
-contiguous piece arrays.)
+``KVStore.takes_header_room``), each entry is staged after that many free bytes, room for the
+store's value header (``StagedBatch.value_parts``): the store then moves header and payload as
+one part. (Not on CUDA: its copies are torch ops over contiguous piece arrays.)
 
 Scatter takes a per-entry mask (the store's statuses): entries that were not read correctly
 are never copied into a KV block.
@@ -49,6 +51,15 @@ ALIGNMENT = 64
 def _row_bytes(pieces, room: int) -> list:
     """Per piece, the staged bytes of one entry: the piece, and the header room before the first."""
     return [p.size + (room if j == 0 else 0) for j, p in enumerate(pieces)]
+
+
+def _run_bytes(pieces, room: int, n: int, whole_entries: bool) -> int:
+    """Pool bytes of ``n`` entries of a group: whole entries each at the pool's alignment, or
+    each piece's ``(n, size)`` array at it (piece-major)."""
+    rows = _row_bytes(pieces, room)
+    if whole_entries:
+        return n * _round(sum(rows))
+    return sum(_round(n * row) for row in rows)
 
 
 def _round(n: int, a: int = ALIGNMENT) -> int:
@@ -153,8 +164,8 @@ def staging_bytes_for(layout: KVLayout, tokens_per_step: int, planner, header_ro
     step, a partial-tail boundary included. So each group the planner keys
     (``planner.hashes_per_block[g] > 0``; scratch rings are never staged) puts at most
     ``cdiv(T + S - 1, B_g)`` blocks, or hand-off states, of which this rank puts its share under
-    TP striding (``planner.replication``), each group's run staged piece by piece at the pool's
-    alignment. The pool gives saves at least that and loads ``LOAD_SHARE`` of it, at least one
+    TP striding (``planner.replication``), each entry (CPU) or each group's piece array (CUDA) at the
+    pool's alignment. The pool gives saves at least that and loads ``LOAD_SHARE`` of it, at least one
     block of every group. A step whose saves exceed it (many requests crossing a block boundary
     at once) still saves: its batches stream through the pool. ``header_room``: what the
     engine will stage before each block (``kvstride.engine.header_room_for``)."""
@@ -168,9 +179,9 @@ def staging_bytes_for(layout: KVLayout, tokens_per_step: int, planner, header_ro
         if not per_block:
             continue
         blocks = _cdiv(_cdiv(reach, per_block * planner.hash_block_size), planner.replication(g))
-        rows = _row_bytes(group.pieces, header_room)
-        save += sum(_round(blocks * row) for row in rows)
-        largest = max(largest, sum(_round(row) for row in rows))
+        # Sized for either layout (whole entries on CPU, piece-major on CUDA).
+        save += max(_run_bytes(group.pieces, header_room, blocks, whole) for whole in (True, False))
+        largest = max(largest, _run_bytes(group.pieces, header_room, 1, False))
     save = max(save, largest)
     capacity = _round(max(int(save / (1 - LOAD_SHARE)), int(largest / LOAD_SHARE)))
     while capacity - _load_share(capacity) < save or _load_share(capacity) < largest:
@@ -272,7 +283,8 @@ class Transfer:
         self.pool = pool
         self.device = layout.device or torch.device("cpu")
         self.cuda = self.device.type == "cuda"
-        self.header_room = 0  # CPU only: free bytes staged before each entry's first piece
+        self.header_room = 0  # CPU only: free bytes staged before each entry
+        self.whole_entries = not self.cuda  # CPU: each entry's pieces back to back (module docstring)
         self.stream = (stream or torch.cuda.Stream(device=self.device)) if self.cuda else None
         # Per storage, per dtype width: a flat tensor over the whole storage.
         self._wide: dict = {}
@@ -315,7 +327,7 @@ class Transfer:
             counts[g] = counts.get(g, 0) + 1
         total = 0
         for g, n in counts.items():
-            total += sum(_round(n * row) for row in _row_bytes(self.layout.groups[g].pieces, self.header_room))
+            total += _run_bytes(self.layout.groups[g].pieces, self.header_room, n, self.whole_entries)
         return total
 
     def stage(self, blocks: Sequence[tuple], lane: Optional[str] = None) -> Optional[StagedBatch]:
@@ -343,14 +355,24 @@ class Transfer:
             n = len(rows)
             ids = torch.tensor([blocks[i][1] for i in rows], dtype=torch.int64)
             sizes = [p.size for p in groups[g].pieces]
-            row_bytes = _row_bytes(groups[g].pieces, self.header_room)
-            piece_offs = []
-            for size, row in zip(sizes, row_bytes):
-                piece_offs.append(cur + row - size)  # after the header room
-                cur += _round(n * row)
+            room = self.header_room
+            if self.whole_entries:
+                entry = _round(room + sum(sizes))
+                starts = np.cumsum([room, *sizes[:-1]]).tolist()  # each piece's place in its entry
+                piece_offs, row_bytes = [cur + x for x in starts], [entry] * len(sizes)
+                for k, i in enumerate(rows):
+                    batch._parts[i] = [(base + cur + k * entry + room, sum(sizes))]
+            else:
+                row_bytes = _row_bytes(groups[g].pieces, room)
+                piece_offs = []
+                piece_cur = cur
+                for size, row in zip(sizes, row_bytes):
+                    piece_offs.append(piece_cur + row - size)  # after the header room
+                    piece_cur += _round(n * row)
+                for k, i in enumerate(rows):
+                    batch._parts[i] = [(base + po + k * row, s) for po, row, s in zip(piece_offs, row_bytes, sizes)]
+            cur += _run_bytes(groups[g].pieces, room, n, self.whole_entries)
             batch.runs.append(_GroupRun(g, rows, ids, piece_offs, row_bytes))
-            for k, i in enumerate(rows):
-                batch._parts[i] = [(base + po + k * row, s) for po, row, s in zip(piece_offs, row_bytes, sizes)]
         return batch
 
     # ---- copies ------------------------------------------------------------------------
