@@ -384,6 +384,38 @@ def test_two_requests_sharing_a_prefix_put_each_key_once(rig_factory):
     assert spy.ops("put") == []
 
 
+def test_puts_queued_behind_a_running_put_go_in_one_store_call(rig_factory):
+    """Batches of several steps queued while a put runs are put in one store call (a Mooncake
+    call costs about a millisecond of client CPU however few values it moves), each job's
+    outcome still its own: a key that fails there fails only the request that owns it."""
+    rig, spy = spy_rig(rig_factory, "fa")
+    requests = {rid: rig.source_request(64) for rid in "abcd"}
+    keys_of = {rid: {k for k, _, _ in rig.planner.plan_save(h, t, 64).puts} for rid, (_, h, t, _) in requests.items()}
+    victim = sorted(keys_of["c"])[0]
+    running, release = threading.Event(), threading.Event()
+
+    def held_then_one_failure(keys, buffers):
+        if not running.is_set():
+            running.set()
+            assert release.wait(30)
+        statuses = spy.inner.put(keys, buffers)
+        return [Status.FULL if k == victim else st for k, st in zip(keys, statuses)]
+
+    spy.put_hook = held_then_one_failure
+    for rid, (_, hashes, tables, _) in requests.items():  # one step each
+        rig.engine.submit(saves=[SaveRequest(rid, hashes, tables, 64)])
+        if rid == "a":
+            assert running.wait(30)  # the lane holds a's put while b, c and d are staged
+    release.set()
+    assert rig.engine.wait_idle(30)
+    done = rig.engine.get_finished()
+    assert done.saves_done == set("abcd") and done.saves_failed == {"c"}
+    puts = [set(keys) for keys in spy.ops("put")]
+    assert puts == [keys_of["a"], keys_of["b"] | keys_of["c"] | keys_of["d"]]
+    assert [rig.engine.saved_offset(rid) for rid in "abcd"] == [64, 64, 0, 64]
+    assert spy.inner.exists(sorted(keys_of["d"])) == [True] * len(keys_of["d"])
+
+
 def test_offset_advances_only_after_every_put_succeeded(rig_factory):
     rig, spy = spy_rig(rig_factory, "fa")
     tokens, hashes, tables, _ = rig.source_request(100)

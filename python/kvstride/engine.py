@@ -46,6 +46,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence, Tuple, Union
 
+import numpy as np
+
 from kvstride._core import KeyPlanner
 from kvstride.layout import KVLayout
 from kvstride.stores import KVStore, Status
@@ -161,6 +163,9 @@ TIMINGS_KEPT = 10_000
 #: How long a save lane's put may run before the store counts as stalled: a step that finds the
 #: staging pool full waits for room while the running put is younger, and defers after.
 DEFAULT_SAVE_WAIT_S = 2.0
+
+#: At most this many keys in one store call of the save lane (``OffloadEngine._next_items``).
+PUT_KEYS_PER_CALL = 1024
 
 #: How often a waiter for staging room checks whether the running put has stalled.
 _ROOM_CHECK_S = 0.05
@@ -536,20 +541,40 @@ class OffloadEngine:
 
     def _run(self, lane: "queue.Queue") -> None:
         while True:
-            item = lane.get()
+            items = self._next_items(lane)
             try:
-                if item is _STOP:
+                if items[0] is _STOP:
                     return
-                if isinstance(item, _LoadJob):
-                    self._execute_load(item)
+                if isinstance(items[0], _LoadJob):
+                    self._execute_load(items[0])
                 else:
-                    self._execute_put(item)
+                    self._execute_puts(items)
             except Exception as err:  # the job's own error reporting failed: keep the lane
-                step = item.step if isinstance(item, _LoadJob) else item.job.step
+                step = items[0].step if isinstance(items[0], _LoadJob) else items[0].job.step
                 self._log_once("worker-bug", "job of step %d could not be reported: %r", step, err)
                 self.count("worker_errors")
             finally:
-                lane.task_done()
+                for _ in items:
+                    lane.task_done()
+
+    @staticmethod
+    def _next_items(lane: "queue.Queue") -> list:
+        """The lane's next job (blocking); for a put, with every put queued behind it, up to
+        ``PUT_KEYS_PER_CALL`` keys: one store call for all of them (a Mooncake call costs about
+        a millisecond of a spinning client thread however few values it moves). A stop or a
+        load behind them waits for the next call."""
+        items = [lane.get()]
+        if not isinstance(items[0], _PutBatch):
+            return items
+        keys = len(items[0].entries)
+        while keys < PUT_KEYS_PER_CALL:
+            with lane.mutex:  # peek: a stop or a put over the limit stays queued
+                head = lane.queue[0] if lane.queue else None
+                if not isinstance(head, _PutBatch) or keys + len(head.entries) > PUT_KEYS_PER_CALL:
+                    break
+            items.append(lane.get_nowait())  # this lane's only consumer is this thread
+            keys += len(head.entries)
+        return items
 
     def _execute_load(self, job: _LoadJob) -> None:
         try:
@@ -562,25 +587,28 @@ class OffloadEngine:
                     self._finished.loads_done.add(load.req_id)
                     self._finished.loads_failed[load.req_id] = self._all_blocks(load)
 
-    def _execute_put(self, item: _PutBatch) -> None:
-        job = item.job
+    def _execute_puts(self, items: List[_PutBatch]) -> None:
         with self._lock:
             self._put_started = time.monotonic()
         try:
-            self._put(item)
-        except Exception as err:  # never into the driver: fail the batch's saves, keep going
-            self._log_once("save-bug", "save job of step %d failed: %r", job.step, err)
+            self._put(items)
+        except Exception as err:  # never into the driver: fail the batches' saves, keep going
+            self._log_once("save-bug", "save job of step %d failed: %r", items[0].job.step, err)
             self.count("save_job_errors")
             with self._lock:
-                job.failed.update(rid for key, _, _ in item.entries for rid in job.owners[key])
+                for item in items:
+                    item.job.failed.update(rid for key, _, _ in item.entries for rid in item.job.owners[key])
         finally:
+            for item in items:
+                self._release_batch(item.batch)
+            finished = []
             with self._lock:
                 self._put_started = None
-            self._release_batch(item.batch)
-            with self._lock:
-                job.in_flight -= 1
-                finished = not job.in_flight and not job.staging
-            if finished:
+                for item in items:
+                    item.job.in_flight -= 1
+                    if not item.job.in_flight and not item.job.staging:
+                        finished.append(item.job)
+            for job in finished:
                 self._finish_saves(job)
 
     @staticmethod
@@ -846,17 +874,28 @@ class OffloadEngine:
             self._time("put", time.perf_counter() - put_start)
             self._count_puts(job, entries, statuses)
 
-    def _put(self, item: _PutBatch) -> None:
-        item.fence.wait()
-        keys = [key for key, _, _ in item.entries]
+    def _put(self, items: List[_PutBatch]) -> None:
+        """One store call for ``items`` (``_next_items``), then each batch released and
+        counted for its own job."""
+        values, digests = [], []
+        for item in items:
+            item.fence.wait()
+            batch_values, options = self._store_values(item.batch)
+            values += batch_values
+            if self._fused_digests:
+                digests.append(item.batch.digests)
+        if digests:
+            options["digests"] = np.concatenate(digests)
+        keys = [key for item in items for key, _, _ in item.entries]
         put_start = time.perf_counter()
-        values, options = self._store_values(item.batch)
-        if self._fused_digests:
-            options["digests"] = item.batch.digests
         statuses = self._statuses(self.store.put(keys, values, **options), len(keys))
         self._time("put", time.perf_counter() - put_start)
-        self._release_batch(item.batch)
-        self._count_puts(item.job, item.entries, statuses)
+        position = 0
+        for item in items:
+            self._release_batch(item.batch)
+            end = position + len(item.entries)
+            self._count_puts(item.job, item.entries, statuses[position:end])
+            position = end
 
     def _store_values(self, batch: StagedBatch):
         """The batch's values as the store takes them, and the options that say so."""
