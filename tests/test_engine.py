@@ -416,6 +416,47 @@ def test_puts_queued_behind_a_running_put_go_in_one_store_call(rig_factory):
     assert spy.inner.exists(sorted(keys_of["d"])) == [True] * len(keys_of["d"])
 
 
+def test_puts_arriving_within_the_linger_go_in_one_store_call(rig_factory):
+    """Steps staged while the save lane lingers (``put_linger_s``, room not low) are put in
+    one store call; a shutdown ends the linger and puts them."""
+    rig, spy = spy_rig(rig_factory, "fa")
+    rig.engine.put_linger_s = 60.0  # only the shutdown below ends it
+    requests = {rid: rig.source_request(64) for rid in "abc"}
+    for rid, (_, hashes, tables, _) in requests.items():
+        rig.engine.submit(saves=[SaveRequest(rid, hashes, tables, 64)])
+        deadline = time.monotonic() + 30
+        while not rig.engine._save_queue.empty() and time.monotonic() < deadline:
+            time.sleep(0.001)  # the lane took the batch: without a linger it would put it now
+    assert spy.ops("put") == []  # lingering
+    assert rig.engine.shutdown(timeout=30)
+    assert rig.engine.get_finished().saves_done == set("abc")
+    keys = [{k for k, _, _ in rig.planner.plan_save(h, t, 64).puts} for _, h, t, _ in requests.values()]
+    assert [set(k) for k in spy.ops("put")] == [keys[0] | keys[1] | keys[2]]
+
+
+def test_a_step_waiting_for_staging_room_ends_the_linger(rig_factory, monkeypatch):
+    """A step that finds the save share full while the lane lingers over the batches that
+    hold it is not kept waiting for the linger: the lane puts them at once, and the step
+    stages its blocks when they are released."""
+    import kvstride.engine as engine_module
+
+    monkeypatch.setattr(engine_module, "LINGER_ROOM_SHARE", 0.0)  # only the waiting step ends the linger
+    rig, spy = spy_rig(rig_factory, "fa", pool_bytes=4096)  # saves: 3 KiB, FA blocks of 256 B
+    rig.engine.put_linger_s = 60.0
+    rig.engine.save_wait_s = 60.0
+    _, a_hashes, a_tables, _ = rig.source_request(192)  # 12 blocks: the whole save share
+    rig.engine.submit(saves=[SaveRequest("a", a_hashes, a_tables, 192)])
+    _, b_hashes, b_tables, _ = rig.source_request(64)
+    step = threading.Thread(target=rig.engine.submit, kwargs={"saves": [SaveRequest("b", b_hashes, b_tables, 64)]})
+    step.start()
+    step.join(30)  # with the linger kept, it would wait 60 s
+    assert not step.is_alive()
+    a_keys = {k for k, _, _ in rig.planner.plan_save(a_hashes, a_tables, 192).puts}
+    assert [set(k) for k in spy.ops("put")][:1] == [a_keys]
+    assert rig.engine.shutdown(timeout=30)
+    assert rig.engine.get_finished().saves_done == {"a", "b"} and not rig.engine.counters["saves_deferred"]
+
+
 def test_offset_advances_only_after_every_put_succeeded(rig_factory):
     rig, spy = spy_rig(rig_factory, "fa")
     tokens, hashes, tables, _ = rig.source_request(100)
@@ -865,10 +906,11 @@ def test_planning_only_engine_starts_no_threads_and_moves_no_blocks(rig_factory)
         assert planning.wait_idle(timeout=5)
 
 
+@pytest.mark.parametrize("option", ["save_wait_s", "put_linger_s"])
 @pytest.mark.parametrize("value", [-1, float("nan"), float("inf"), "soon", True, None])
-def test_bad_save_wait_is_refused_at_construction(rig_factory, value):
-    """``save_wait_s`` (``kv_connector_extra_config``) that is not a finite number of seconds
-    >= 0 is a ValueError naming it, before any lane starts."""
+def test_bad_save_wait_is_refused_at_construction(rig_factory, option, value):
+    """``save_wait_s`` or ``put_linger_s`` (``kv_connector_extra_config``) that is not a finite
+    number of seconds >= 0 is a ValueError naming it, before any lane starts."""
     rig = rig_factory("fa")
-    with pytest.raises(ValueError, match="save_wait_s"):
-        OffloadEngine(rig.planner, None, rig.store, save_wait_s=value)
+    with pytest.raises(ValueError, match=option):
+        OffloadEngine(rig.planner, None, rig.store, **{option: value})

@@ -8,8 +8,9 @@ calls, per engine step:
   requests, then each request's longest joint hit from the core;
 - ``submit(saves, loads)``: one step's work. Saves are planned with the core (which keys,
   which blocks) and copied out of the KV cache before it returns: straight into the embedded
-  arena's slots (the whole save), or through the staging pool batch by batch, each batch put
-  on the save lane as soon as it is copied; loads run on the load lane, never behind a save;
+  arena's slots (the whole save), or through the staging pool batch by batch, each batch handed
+  to the save lane as soon as it is copied (which puts every batch queued, and those arriving
+  within ``put_linger_s``, in one store call); loads run on the load lane, never behind a save;
 - or, where planning and execution live in different processes (the vLLM connector: its
   scheduler plans with ``plan_saves`` and the core, its workers execute), ``submit_planned(puts,
   gets)``: the same copies and store calls for ``(key, group, block_id)`` entries planned
@@ -52,7 +53,7 @@ from kvstride._core import KeyPlanner
 from kvstride.layout import KVLayout
 from kvstride.stores import KVStore, Status
 from kvstride.stores.base import HEADER_BYTES
-from kvstride.transfer import ALIGNMENT, Fence, StagedBatch, StagingPool, Transfer
+from kvstride.transfer import Fence, StagedBatch, StagingPool, Transfer
 
 __all__ = ["SaveRequest", "LoadRequest", "Finished", "OffloadEngine", "header_room_for"]
 
@@ -167,22 +168,36 @@ DEFAULT_SAVE_WAIT_S = 2.0
 #: At most this many keys in one store call of the save lane (``OffloadEngine._next_items``).
 PUT_KEYS_PER_CALL = 1024
 
+#: How long the save lane waits for more puts before a store call (``OffloadEngine._next_items``).
+DEFAULT_PUT_LINGER_S = 0.05
+
+#: The save lane lingers only while this share of the pool's save share is free.
+LINGER_ROOM_SHARE = 0.25
+
 #: How often a waiter for staging room checks whether the running put has stalled.
 _ROOM_CHECK_S = 0.05
 
 
-def check_save_wait(value) -> float:
-    """``save_wait_s`` as seconds, or ``ValueError`` naming it."""
+def _check_seconds(name: str, value, meaning: str) -> float:
     try:
         seconds = float(value)
     except (TypeError, ValueError):
         seconds = float("nan")
     if isinstance(value, bool) or not seconds >= 0 or seconds == float("inf"):
-        raise ValueError(
-            f"save_wait_s must be a finite number of seconds >= 0 (how long a store put may run before a step "
-            f"full of saves defers instead of waiting), got {value!r}"
-        )
+        raise ValueError(f"{name} must be a finite number of seconds >= 0 ({meaning}), got {value!r}")
     return seconds
+
+
+def check_save_wait(value) -> float:
+    """``save_wait_s`` as seconds, or ``ValueError`` naming it."""
+    return _check_seconds("save_wait_s", value, "how long a store put may run before a step full of saves defers "
+                          "instead of waiting")
+
+
+def check_put_linger(value) -> float:
+    """``put_linger_s`` as seconds, or ``ValueError`` naming it."""
+    return _check_seconds("put_linger_s", value, "how long the save lane waits for more puts to make one store "
+                          "call of them; 0: it puts what is queued at once")
 
 
 class OffloadEngine:
@@ -203,8 +218,10 @@ class OffloadEngine:
         *,
         name: str = "kvstride-engine",
         save_wait_s: float = DEFAULT_SAVE_WAIT_S,
+        put_linger_s: float = DEFAULT_PUT_LINGER_S,
     ) -> None:
         self.save_wait_s = check_save_wait(save_wait_s)
+        self.put_linger_s = check_put_linger(put_linger_s)
         self.planner = planner
         self.store = store
         if isinstance(transfer, KVLayout):
@@ -237,10 +254,8 @@ class OffloadEngine:
                 "instead of the layout"
             )
         if self.transfer is not None and not self.direct:
-            # Per group, what staging adds to its blocks' bytes at most: aligned piece arrays, and
-            # per block the header room.
-            self._alignment_slack = [ALIGNMENT * len(g.pieces) for g in self.layout.groups]
-            self._staged_block_bytes = [g.block_bytes + self.transfer.header_room for g in self.layout.groups]
+            # Per group, a bound on a batch's staged bytes: per block, and once per run.
+            self._staged_bound = [self.transfer.staged_bytes_bound(g) for g in range(len(self.layout.groups))]
             self._batch_bytes = self._staging_limits()
         self.counters: collections.Counter = collections.Counter()
         # Per operation: the latest durations (bounded: the engine runs for the server's
@@ -261,6 +276,7 @@ class OffloadEngine:
         self._pool_freed = threading.Condition(self._lock)  # a staged batch was released
         self._releases = 0  # staged batches released so far: a waiter sees room come back
         self._put_started: Optional[float] = None  # when the save lane's running put began
+        self._room_waiters = 0  # steps waiting for staging room (the save lane stops lingering)
         self._step = 0
         self._closed = False
         # A planning-only engine (no KV tensors: a scheduler) runs no transfers, so no lanes.
@@ -557,24 +573,38 @@ class OffloadEngine:
                 for _ in items:
                     lane.task_done()
 
-    @staticmethod
-    def _next_items(lane: "queue.Queue") -> list:
-        """The lane's next job (blocking); for a put, with every put queued behind it, up to
-        ``PUT_KEYS_PER_CALL`` keys: one store call for all of them (a Mooncake call costs about
-        a millisecond of a spinning client thread however few values it moves). A stop or a
-        load behind them waits for the next call."""
+    def _next_items(self, lane: "queue.Queue") -> list:
+        """The lane's next job (blocking); for a put, with the puts queued behind it, up to
+        ``PUT_KEYS_PER_CALL`` keys, and those that arrive within ``put_linger_s`` while no
+        step waits for staging room and room is not low (``_save_room_low``): one store call
+        for all of them. A Mooncake call costs ~0.3 ms of a polling client thread however few
+        values it moves (``benches/mooncake_parts.py``), and 2-4 ms beside a busy vLLM engine
+        on 2 cores. A stop or a load behind them waits for the next call."""
         items = [lane.get()]
         if not isinstance(items[0], _PutBatch):
             return items
         keys = len(items[0].entries)
-        while keys < PUT_KEYS_PER_CALL:
-            with lane.mutex:  # peek: a stop or a put over the limit stays queued
-                head = lane.queue[0] if lane.queue else None
+        deadline = time.monotonic() + self.put_linger_s
+        with lane.mutex:  # peek: a stop, a load or a put over the limit stays queued
+            while keys < PUT_KEYS_PER_CALL:
+                if not lane.queue:
+                    left = deadline - time.monotonic()
+                    if left <= 0 or self._closed or self._room_waiters or self._save_room_low():
+                        break
+                    lane.not_empty.wait(left)
+                    continue
+                head = lane.queue[0]
                 if not isinstance(head, _PutBatch) or keys + len(head.entries) > PUT_KEYS_PER_CALL:
                     break
-            items.append(lane.get_nowait())  # this lane's only consumer is this thread
-            keys += len(head.entries)
+                items.append(lane.queue.popleft())  # lane.get's bookkeeping: the task stays unfinished
+                lane.not_full.notify()
+                keys += len(head.entries)
         return items
+
+    def _save_room_low(self) -> bool:
+        """Less than ``LINGER_ROOM_SHARE`` of the save share is free: a step may soon have to
+        wait for room, so the save lane stops lingering (a default pool holds eight steps)."""
+        return self.pool.free_in("save") < self.pool.share("save") * LINGER_ROOM_SHARE
 
     def _execute_load(self, job: _LoadJob) -> None:
         try:
@@ -640,7 +670,8 @@ class OffloadEngine:
         end, nbytes, groups = start, 0, set()
         while end < len(entries):  # a bound on the staged bytes of entries[start:end + 1]
             group = entries[end][1]
-            more = self._staged_block_bytes[group] + (0 if group in groups else self._alignment_slack[group])
+            per_entry, per_run = self._staged_bound[group]
+            more = per_entry + (0 if group in groups else per_run)
             if end > start and nbytes + more > self._batch_bytes[lane]:
                 break
             nbytes += more
@@ -661,7 +692,14 @@ class OffloadEngine:
                 while self._releases == releases:
                     if not room_coming():
                         return start, None
-                    self._pool_freed.wait(_ROOM_CHECK_S)  # a release wakes it at once
+                    self._room_waiters += 1
+                    try:
+                        if lane == "save":  # a save lane lingering for more puts puts what it has now
+                            with self._save_queue.mutex:
+                                self._save_queue.not_empty.notify()
+                        self._pool_freed.wait(_ROOM_CHECK_S)  # a release wakes it at once
+                    finally:
+                        self._room_waiters -= 1
 
     def plan_saves(self, saves: Sequence[SaveRequest], states: Sequence["_RequestState"], known, planner=None,
                    depths: Optional[Dict[str, int]] = None):

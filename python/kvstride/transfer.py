@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass, field
-from typing import Optional, Sequence
+from typing import Optional, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -123,6 +123,12 @@ class StagingPool:
     def free_bytes(self) -> int:
         with self._lock:
             return sum(s for _, s in self._free)
+
+    def free_in(self, lane: Optional[str] = None) -> int:
+        """Free bytes in ``lane``'s share (not necessarily in one range)."""
+        lo, hi = self._windows[lane]
+        with self._lock:
+            return sum(max(0, min(off + size, hi) - max(off, lo)) for off, size in self._free)
 
     def alloc(self, nbytes: int, lane: Optional[str] = None) -> Optional[int]:
         """Offset of ``nbytes`` reserved bytes in ``lane``'s share ("save", "load"; None: anywhere),
@@ -329,6 +335,15 @@ class Transfer:
         for g, n in counts.items():
             total += _run_bytes(self.layout.groups[g].pieces, self.header_room, n, self.whole_entries)
         return total
+
+    def staged_bytes_bound(self, group: int) -> Tuple[int, int]:
+        """``(per_entry, per_run)``: ``staged_bytes`` of ``n`` entries of ``group`` in one batch
+        is at most ``n * per_entry + per_run`` (whole entries are each aligned; piece arrays
+        each add at most the alignment)."""
+        pieces = self.layout.groups[group].pieces
+        if self.whole_entries:
+            return _run_bytes(pieces, self.header_room, 1, True), 0
+        return sum(_row_bytes(pieces, self.header_room)), ALIGNMENT * len(pieces)
 
     def stage(self, blocks: Sequence[tuple], lane: Optional[str] = None) -> Optional[StagedBatch]:
         """Reserve room for ``blocks`` ([(group, block_id)]) in ``lane``'s share of the pool

@@ -42,6 +42,7 @@ class WorkerSide(Outcomes):
         self.store = store  # the Mooncake client, or the arena's slots (kvstride.arena.ArenaSlots)
         self._extra = config.extra
         self._save_wait_s = config.save_wait_s
+        self._put_linger_s = config.put_linger_s
         self._vllm_config = vllm_config
         self._kv_cache_config = kv_cache_config
         self.engine: Optional[OffloadEngine] = None  # once the KV caches are registered
@@ -63,7 +64,8 @@ class WorkerSide(Outcomes):
         step_tokens = int(self._vllm_config.scheduler_config.max_num_batched_tokens)
         transfer = engine_transfer(self.store, layout, self._extra, step_tokens, self.planner)
         self.engine = OffloadEngine(
-            self.planner, transfer, self.store, name="kvstride-worker", save_wait_s=self._save_wait_s
+            self.planner, transfer, self.store, name="kvstride-worker", save_wait_s=self._save_wait_s,
+            put_linger_s=self._put_linger_s,
         )
 
     def start_load_kv(self, meta: Optional[KVStrideMetadata]) -> None:
