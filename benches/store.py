@@ -4,12 +4,14 @@ and the embedded store's GB/s.
     python benches/store.py [--keys 128] [--value-kib 512] [--reps 9] [--threads 1]
 
 One process, one master on loopback (started here), the client owns a segment (Mooncake then
-copies with memcpy, no TCP).  Values are staged blocks of 2 parts.  Baseline:
+copies with memcpy, no TCP).  Values are staged blocks of 2 parts, the same parts on both
+sides (the engine's staging on CPU made two parts a value, header room included, until it
+staged whole entries: one part since 2026-12-02, ``benches/mooncake_parts.py``).  Baseline:
 ``batch_put_from_multi_buffers`` / ``batch_get_into_multi_buffers`` with the same parts and
 fresh keys, no header, no hash.  kvstride adds a 64-byte header and (verify=on) an XXH3 of the
-payload on put and on get; values are laid out as the engine's staging pool lays them out on
-CPU, with room for the header in front of each value (``header_room=True``), so the header
-rides the first part and a value is two parts on both sides.  "digests with the copy" is how ``OffloadEngine`` calls it on
+payload on put and on get; values are laid out with room for the header in front of each value
+(``header_room=True``), so the header rides the first part and a value is two parts on both
+sides.  "digests with the copy" is how ``OffloadEngine`` calls it on
 a CPU KV cache: the XXH3 is computed by the gather that copies the blocks into staging (put)
 and checked by the scatter that copies them out (get), so the store call itself only writes
 and checks headers; ``benches/engine.py`` times that whole path.  Ratio = raw time / kvstride
@@ -27,7 +29,7 @@ load is the get into staging then the scatter out of it. Raw: ``_copy_regions`` 
 call; XXH3 / MAC: ``_save_rows`` / ``_load_rows`` (digest or tag riding the copy) + the store
 call with ``digests=`` / ``digests_out=``. Same threads on both sides (rayon's pool for the
 copies, Mooncake's for the transfer). Staging is a ``StagingPool`` laid out piece-major as the
-engine's: the raw baseline's without header room (as the engine staged before), kvstride's with
+engine's was before it staged whole entries: the raw baseline's without header room (as the engine staged before), kvstride's with
 it; "raw + copy, header room layout" is the raw path on kvstride's staging (what the layout alone
 changes), "header part of its own" kvstride's path as it was before (three parts a value).
 """
@@ -167,7 +169,7 @@ def main():
 
         def staged(header_room):
             """A staging pool and each value's payload parts in it, piece-major as
-            ``Transfer.stage`` lays blocks out: piece 0 of every value (each after the header's
+            ``Transfer.stage`` laid blocks out on CPU before whole entries: piece 0 of every value (each after the header's
             room when ``header_room``), then piece 1 of every value."""
             row = half + (room if header_room else 0)
             pool = transfer_mod.StagingPool(transfer_mod._round(n * row) + n * half, load_bytes=0, pin=False)
