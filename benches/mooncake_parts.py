@@ -26,48 +26,17 @@ import argparse
 import json
 import os
 import platform
-import signal
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parents[1]
+from vllm_connectors import StoreServer  # the vLLM bench's store: `kvstride store serve`, stopped with its master
+
 PART_COUNTS = (1, 2, 4, 8)
 BATCH_SIZES = (1, 4, 16, 64)
-
-
-class StoreServer:
-    """``kvstride store serve`` in a subprocess, stopped (with its master) by :meth:`stop`."""
-
-    def __init__(self, scratch: str, size: str) -> None:
-        self.config_path = os.path.join(scratch, "mooncake.json")
-        self.log = open(os.path.join(scratch, "store-serve.log"), "wb")
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT / "python"), os.environ.get("PYTHONPATH", "")]))
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "kvstride.cli", "store", "serve", "--bytes", size, "--config-out", self.config_path],
-            stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True, env=env,
-        )
-        deadline = time.monotonic() + 60
-        while not os.path.exists(self.config_path):
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                self.stop()
-                raise RuntimeError(f"kvstride store serve did not come up; see {self.log.name}")
-            time.sleep(0.1)
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)  # it closes its holder, then its master
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        self.log.close()
 
 
 def pure_client(config_path: str):

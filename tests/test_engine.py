@@ -386,8 +386,8 @@ def test_two_requests_sharing_a_prefix_put_each_key_once(rig_factory):
 
 def test_puts_queued_behind_a_running_put_go_in_one_store_call(rig_factory):
     """Batches of several steps queued while a put runs are put in one store call (a Mooncake
-    call costs about a millisecond of client CPU however few values it moves), each job's
-    outcome still its own: a key that fails there fails only the request that owns it."""
+    call costs ~0.3 ms of client CPU however few values it moves), each job's outcome still
+    its own: a key that fails there fails only the request that owns it."""
     rig, spy = spy_rig(rig_factory, "fa")
     requests = {rid: rig.source_request(64) for rid in "abcd"}
     keys_of = {rid: {k for k, _, _ in rig.planner.plan_save(h, t, 64).puts} for rid, (_, h, t, _) in requests.items()}

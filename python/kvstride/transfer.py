@@ -4,8 +4,8 @@ A plan names blocks as ``(group, block_id)``.  ``Transfer.stage`` reserves room 
 :class:`StagingPool` (one host allocation, pinned on CUDA, allocated once and reused).  On CPU it
 lays each entry out whole: the group's pieces of one block back to back, so one block's stored
 payload is one ``(address, size)`` part -- what Mooncake's ``batch_*_multi_buffers`` calls and
-the embedded store take -- and Mooncake moves one slice per value (each further part of a value
-cost about as much as a whole 8 KiB value's transfer over TCP; ``benches/store.py``).  On CUDA it
+the embedded store take -- and Mooncake moves one slice per value (each further part cost 30-50
+us of client CPU over TCP, half a one-part 8 KiB value's put; ``benches/mooncake_parts.py``).  On CUDA it
 lays them out piece-major (for piece ``j`` of the group, the ``n`` blocks' bytes are one
 contiguous ``(n, size_j)`` array), which its torch copies need; a payload is then a part per
 piece.  Either way the copies are batched per piece and group, whatever the number of blocks.
