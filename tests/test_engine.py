@@ -434,6 +434,23 @@ def test_puts_arriving_within_the_linger_go_in_one_store_call(rig_factory):
     assert [set(k) for k in spy.ops("put")] == [keys[0] | keys[1] | keys[2]]
 
 
+def test_the_linger_ends_after_linger_max_steps(rig_factory):
+    """However long ``put_linger_s``, the lane puts once ``LINGER_MAX_STEPS`` steps passed
+    since the batch it holds: a save job's report must reach the scheduler well within
+    ``ABANDON_AFTER_STEPS`` of an engine whose steps are short (test_vllm_scheduler checks
+    the two constants)."""
+    from kvstride.engine import LINGER_MAX_STEPS
+
+    rig, spy = spy_rig(rig_factory, "fa")
+    rig.engine.put_linger_s = 60.0
+    for i in range(LINGER_MAX_STEPS + 1):
+        _, hashes, tables, _ = rig.source_request(64)
+        rig.engine.submit(saves=[SaveRequest(f"r{i}", hashes, tables, 64)])
+    assert rig.engine.wait_idle(30)  # with only the time bound it would linger 60 s
+    assert len(spy.ops("put")) == 1
+    assert rig.engine.get_finished().saves_done == {f"r{i}" for i in range(LINGER_MAX_STEPS + 1)}
+
+
 def test_a_step_waiting_for_staging_room_ends_the_linger(rig_factory, monkeypatch):
     """A step that finds the save share full while the lane lingers over the batches that
     hold it is not kept waiting for the linger: the lane puts them at once, and the step

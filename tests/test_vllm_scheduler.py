@@ -14,11 +14,12 @@ import pytest
 pytest.importorskip("vllm")
 
 import kvstride  # noqa: E402
+from kvstride.engine import LINGER_MAX_STEPS  # noqa: E402
 from kvstride.stores import EmbeddedStore  # noqa: E402
 from kvstride.stores.placement import StorePlacement  # noqa: E402
 from kvstride.vllm.config import ConnectorConfig, check_admission  # noqa: E402
 from kvstride.vllm.metadata import KVStrideWorkerMetadata  # noqa: E402
-from kvstride.vllm.scheduler import SchedulerSide  # noqa: E402
+from kvstride.vllm.scheduler import ABANDON_AFTER_STEPS, SchedulerSide  # noqa: E402
 from kvstride.vllm.store_registry import StoreChoice  # noqa: E402
 
 BLOCK = 16
@@ -189,6 +190,13 @@ def test_window_blocks_are_saved_only_where_a_lookup_can_hit(admission, retentio
     finally:
         side.shutdown()
         store.close()
+
+
+def test_a_lingering_save_lane_reports_long_before_the_scheduler_abandons_its_job():
+    """The workers' save lane lingers for at most ``LINGER_MAX_STEPS`` steps, and the
+    scheduler waits ``ABANDON_AFTER_STEPS`` for a save job's report: a linger must not make a
+    job look lost (it would be planned again, and its window blocks could be gone)."""
+    assert LINGER_MAX_STEPS * 2 <= ABANDON_AFTER_STEPS
 
 
 @pytest.mark.parametrize("value", ["lru", "", None, 1])

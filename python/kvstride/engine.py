@@ -174,6 +174,10 @@ DEFAULT_PUT_LINGER_S = 0.05
 #: The save lane lingers only while this share of the pool's save share is free.
 LINGER_ROOM_SHARE = 0.25
 
+#: ... and for at most this many steps: far fewer than the scheduler waits for a save job's report
+#: (``kvstride.vllm.scheduler.ABANDON_AFTER_STEPS``, 64) on an engine whose steps are short.
+LINGER_MAX_STEPS = 16
+
 #: How often a waiter for staging room checks whether the running put has stalled.
 _ROOM_CHECK_S = 0.05
 
@@ -575,8 +579,9 @@ class OffloadEngine:
 
     def _next_items(self, lane: "queue.Queue") -> list:
         """The lane's next job (blocking); for a put, with the puts queued behind it, up to
-        ``PUT_KEYS_PER_CALL`` keys, and those that arrive within ``put_linger_s`` while no
-        step waits for staging room and room is not low (``_save_room_low``): one store call
+        ``PUT_KEYS_PER_CALL`` keys, and those that arrive within ``put_linger_s`` and
+        ``LINGER_MAX_STEPS`` steps while no step waits for staging room and room is not low
+        (``_save_room_low``): one store call
         for all of them. A Mooncake call costs ~0.3 ms of a polling client thread however few
         values it moves (``benches/mooncake_parts.py``), and 2-4 ms beside a busy vLLM engine
         on 2 cores. A stop or a load behind them waits for the next call."""
@@ -589,7 +594,9 @@ class OffloadEngine:
             while keys < PUT_KEYS_PER_CALL:
                 if not lane.queue:
                     left = deadline - time.monotonic()
-                    if left <= 0 or self._closed or self._room_waiters or self._save_room_low():
+                    if left <= 0 or self._closed or self._room_waiters or self._save_room_low() or (
+                        self._step - items[0].job.step >= LINGER_MAX_STEPS
+                    ):
                         break
                     lane.not_empty.wait(left)
                     continue
