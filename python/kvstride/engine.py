@@ -922,15 +922,12 @@ class OffloadEngine:
     def _put(self, items: List[_PutBatch]) -> None:
         """One store call for ``items`` (``_next_items``), then each batch released and
         counted for its own job."""
-        values, digests = [], []
+        values, options = [], self._value_options()
         for item in items:
             item.fence.wait()
-            batch_values, options = self._store_values(item.batch)
-            values += batch_values
-            if self._fused_digests:
-                digests.append(item.batch.digests)
-        if digests:
-            options["digests"] = np.concatenate(digests)
+            values += self._store_values(item.batch)
+        if self._fused_digests:
+            options["digests"] = np.concatenate([item.batch.digests for item in items])
         keys = [key for item in items for key, _, _ in item.entries]
         put_start = time.perf_counter()
         statuses = self._statuses(self.store.put(keys, values, **options), len(keys))
@@ -942,11 +939,13 @@ class OffloadEngine:
             self._count_puts(item.job, item.entries, statuses[position:end])
             position = end
 
-    def _store_values(self, batch: StagedBatch):
-        """The batch's values as the store takes them, and the options that say so."""
-        if self._headers_staged:
-            return batch.value_parts(), {"header_room": True}
-        return batch.all_parts(), {}
+    def _store_values(self, batch: StagedBatch) -> list:
+        """The batch's values as the store takes them (``_value_options`` says how)."""
+        return batch.value_parts() if self._headers_staged else batch.all_parts()
+
+    def _value_options(self) -> dict:
+        """The store call's options for ``_store_values``' values (a fresh dict)."""
+        return {"header_room": True} if self._headers_staged else {}
 
     def _release_batch(self, batch: StagedBatch) -> None:
         """Give a staged batch's room back (once) and wake whoever waits for room."""
@@ -997,7 +996,7 @@ class OffloadEngine:
             try:
                 keys = [key for key, _, _ in batch_entries]
                 get_start = time.perf_counter()
-                values, options = self._store_values(batch)
+                values, options = self._store_values(batch), self._value_options()
                 if self._fused_digests:  # the store checks headers; the scatter checks bytes
                     expected = [0] * len(keys)
                     statuses = self._statuses(self.store.get(keys, values, digests_out=expected, **options), len(keys))
