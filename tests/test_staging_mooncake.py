@@ -28,18 +28,26 @@ SENTINEL = 0xEE
 
 
 class SlowPuts:
-    """The store, with puts that take ``delay`` seconds longer; ``putting`` is set when one
-    starts."""
+    """The store, with puts that take ``delay`` seconds longer, or that wait for ``release``
+    when it is set to an event; ``putting`` is set when one starts, ``puts_done`` counts those
+    that returned."""
 
     def __init__(self, inner) -> None:
         self.inner = inner
         self.delay = 0.0
+        self.release: threading.Event | None = None
         self.putting = threading.Event()
+        self.puts_done = 0
 
     def put(self, keys, buffers, **kwargs):
         self.putting.set()
+        if self.release is not None:
+            self.release.wait()
         time.sleep(self.delay)
-        return self.inner.put(keys, buffers, **kwargs)
+        try:
+            return self.inner.put(keys, buffers, **kwargs)
+        finally:
+            self.puts_done += 1
 
     def __getattr__(self, name):
         return getattr(self.inner, name)
@@ -166,17 +174,20 @@ def test_step_finding_the_pool_held_by_an_earlier_step_waits_while_the_store_kee
 
 
 def test_step_finding_the_pool_held_by_a_stalled_store_is_deferred(rig):
-    """Step 1 fills the save share and its puts take 1 s, longer than ``save_wait_s``: the store
-    has stalled. Step 2 does not stall with it: after at most ``save_wait_s`` its save is
-    deferred (counted, not failed), and the next step of the request stores it."""
+    """Step 1 fills the save share and its puts hang, far past ``save_wait_s``: the store has
+    stalled. Step 2 does not stall with it: after at most ``save_wait_s`` its save is deferred
+    (counted, not failed), and the next step of the request stores it."""
     rig.engine.save_wait_s = 0.2
-    rig.store.delay = 1.0
+    rig.store.release = threading.Event()
+    release_later = threading.Timer(10.0, rig.store.release.set)  # so that a step that waits ends
+    release_later.start()
     first_hashes, first_table = rig.request(6)  # 6 blocks: the whole save share
     rig.engine.submit(saves=[SaveRequest("first", first_hashes, [first_table], 6 * BLOCK)])
     hashes, table = rig.request(4)
-    start = time.monotonic()
     rig.engine.submit(saves=[SaveRequest("later", hashes, [table], 4 * BLOCK)])
-    assert time.monotonic() - start < 0.8  # it did not wait for the first step's puts
+    assert rig.store.puts_done == 0  # it did not wait for the first step's puts
+    rig.store.release.set()
+    release_later.cancel()
     assert rig.engine.wait_idle(30)
     done = rig.engine.get_finished()
     assert done.saves_done == {"first", "later"} and not done.saves_failed
