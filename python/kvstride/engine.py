@@ -52,20 +52,11 @@ import numpy as np
 from kvstride._core import KeyPlanner
 from kvstride.layout import KVLayout
 from kvstride.stores import KVStore, Status
-from kvstride.stores.base import HEADER_BYTES
 from kvstride.transfer import Fence, StagedBatch, StagingPool, Transfer
 
-__all__ = ["SaveRequest", "LoadRequest", "Finished", "OffloadEngine", "header_room_for"]
+__all__ = ["SaveRequest", "LoadRequest", "Finished", "OffloadEngine"]
 
 log = logging.getLogger("kvstride.engine")
-
-
-def header_room_for(store, layout: Optional[KVLayout]) -> int:
-    """Bytes the engine stages before each block's first piece: room for the value header,
-    where ``store`` writes it next to the payload (``KVStore.takes_header_room``) and the KV
-    cache is on CPU (the CUDA copies keep contiguous piece arrays); else 0."""
-    cpu_copies = layout is not None and (layout.device is None or layout.device.type != "cuda")  # as Transfer's
-    return HEADER_BYTES if cpu_copies and getattr(store, "takes_header_room", False) else 0
 
 
 @dataclass
@@ -244,7 +235,7 @@ class OffloadEngine:
             self.transfer.mac_secret = getattr(store, "mac_secret", None)
         # The store writes each value's header into the room staged before its first piece.
         if self.transfer is not None:
-            self.transfer.header_room = header_room_for(store, self.layout)
+            self.transfer.make_header_room_for(store)
         self._headers_staged = self.transfer is not None and self.transfer.header_room > 0
         self._num_blocks = None if self.layout is None else [g.num_blocks for g in self.layout.groups]
         self._block_bytes = None if self.layout is None else [g.block_bytes for g in self.layout.groups]

@@ -41,6 +41,7 @@ import torch
 
 from .copies import CopyRun, copy_rows
 from .layout import KVLayout
+from .stores.base import HEADER_BYTES, _with_header_room
 
 __all__ = ["StagingPool", "StagedBatch", "Transfer", "Fence", "staging_bytes_for", "LOAD_SHARE", "ALIGNMENT"]
 
@@ -161,6 +162,17 @@ class StagingPool:
             self._free = merged
 
 
+def _copies_on_cuda(layout: KVLayout) -> bool:
+    return layout.device is not None and layout.device.type == "cuda"
+
+
+def header_room_for(store, layout: KVLayout) -> int:
+    """Bytes staged before each block's first piece for ``store``: room for the value header
+    where the store writes it next to the payload (``KVStore.takes_header_room``) and the
+    copies run on CPU (the CUDA copies keep contiguous piece arrays); else 0."""
+    return HEADER_BYTES if not _copies_on_cuda(layout) and getattr(store, "takes_header_room", False) else 0
+
+
 def staging_bytes_for(layout: KVLayout, tokens_per_step: int, planner, header_room: int = 0) -> int:
     """A default staging pool size for ``layout``: what one step computing ``tokens_per_step``
     tokens (vLLM's ``max_num_batched_tokens``) can save on this rank, plus the loads' share.
@@ -174,7 +186,7 @@ def staging_bytes_for(layout: KVLayout, tokens_per_step: int, planner, header_ro
     pool's alignment. The pool gives saves at least that and loads ``LOAD_SHARE`` of it, at least one
     block of every group. A step whose saves exceed it (many requests crossing a block boundary
     at once) still saves: its batches stream through the pool. ``header_room``: what the
-    engine will stage before each block (``kvstride.engine.header_room_for``)."""
+    engine will stage before each block (``header_room_for``)."""
     tokens = int(tokens_per_step)
     if tokens <= 0:
         raise ValueError(f"tokens_per_step must be positive, got {tokens_per_step}")
@@ -250,7 +262,7 @@ class StagedBatch:
         room = self.header_room
         if not room:
             raise ValueError("this batch was staged without header room (Transfer.header_room)")
-        return [[(parts[0][0] - room, parts[0][1] + room), *parts[1:]] for parts in self._parts]
+        return [_with_header_room(parts, room) for parts in self._parts]
 
     def payload_view(self, i: int) -> list:
         """Block i's payload parts as uint8 tensor views of the pool (tests, debugging)."""
@@ -288,8 +300,8 @@ class Transfer:
         self.mac_secret = None  # a StoreSecret: CPU digests are keyed payload tags (the store's MAC)
         self.pool = pool
         self.device = layout.device or torch.device("cpu")
-        self.cuda = self.device.type == "cuda"
-        self.header_room = 0  # CPU only: free bytes staged before each entry
+        self.cuda = _copies_on_cuda(layout)
+        self.header_room = 0  # CPU only: free bytes staged before each entry (make_header_room_for)
         self.whole_entries = not self.cuda  # CPU: each entry's pieces back to back (module docstring)
         self.stream = (stream or torch.cuda.Stream(device=self.device)) if self.cuda else None
         # Per storage, per dtype width: a flat tensor over the whole storage.
@@ -323,6 +335,11 @@ class Transfer:
             self._pool_views[dtype] = pv
         w = pv.element_size()
         return pv.as_strided((n, size // w), (size // w, 1), off // w)
+
+    def make_header_room_for(self, store) -> None:
+        """Stage room for ``store``'s value header before each entry from now on
+        (``header_room_for``); the engine calls it once, before its first stage."""
+        self.header_room = header_room_for(store, self.layout)
 
     # ---- staging -----------------------------------------------------------------------
 

@@ -143,10 +143,11 @@ def _payload_after_header_room(regs) -> list:
     return payloads
 
 
-def _with_header_room(payload) -> list:
-    """The inverse: the whole value's parts, the header room joined to the first payload part."""
+def _with_header_room(payload, room: int = HEADER_BYTES) -> list:
+    """The inverse: the whole value's parts, the ``room`` bytes in front joined to the first
+    payload part."""
     (address, nbytes), rest = payload[0], payload[1:]
-    return [(address - HEADER_BYTES, nbytes + HEADER_BYTES), *rest]
+    return [(address - room, nbytes + room), *rest]
 
 
 def _mv(addr: int, n: int) -> memoryview:

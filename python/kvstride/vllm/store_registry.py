@@ -16,11 +16,10 @@ from dataclasses import dataclass
 from typing import Dict, Optional, Tuple
 
 from kvstride.arena import ArenaPlacement, ArenaSlots, slots_for
-from kvstride.engine import header_room_for
 from kvstride.mooncake_config import parse_size, resolve_client_config
 from kvstride.stores import KVStore, MooncakeStore
 from kvstride.stores.placement import StorePlacement
-from kvstride.transfer import StagingPool, Transfer, staging_bytes_for
+from kvstride.transfer import StagingPool, Transfer, header_room_for, staging_bytes_for
 from kvstride.vllm.checks import check_reproducible_hashes, warn_unauthenticated_store
 
 __all__ = [
