@@ -8,8 +8,10 @@ the embedded store take -- and Mooncake moves one slice per value (each further 
 us of client CPU over TCP, half a one-part 8 KiB value's put; ``benches/mooncake_parts.py``).  On CUDA it
 lays them out piece-major (for piece ``j`` of the group, the ``n`` blocks' bytes are one
 contiguous ``(n, size_j)`` array), which its torch copies need; a payload is then a part per
-piece.  Either way the copies are batched per piece and group, whatever the number of blocks.
-Never one Python call per block.
+piece.  On CPU a batch's copy rows come from one table of every group's pieces (a few array
+operations a batch, whatever its groups: a step saves a block of each of several groups) and the
+copies are one call into the Rust core; on CUDA they are batched per piece and group.  Never one
+Python call per block.
 
 The pool has a share for loads that saves cannot take (``StagingPool(load_bytes=...)``), so
 saves in flight never starve a load; ``staging_bytes_for`` sizes a pool for one step.
@@ -39,7 +41,6 @@ from typing import Optional, Sequence, Tuple
 import numpy as np
 import torch
 
-from .copies import CopyRun, copy_rows
 from .layout import KVLayout
 from .stores.base import HEADER_BYTES, _with_header_room
 
@@ -226,6 +227,8 @@ class Fence:
 
 @dataclass
 class _GroupRun:
+    """(Piece-major, CUDA) One group's entries of a batch."""
+
     group: int
     rows: list  # indices into StagedBatch.blocks
     ids: torch.Tensor  # int64 block ids (CPU)
@@ -243,7 +246,7 @@ class StagedBatch:
     blocks: list  # [(group, block_id)]
     offset: int
     nbytes: int
-    runs: list = field(default_factory=list)
+    runs: list = field(default_factory=list)  # piece-major (CUDA) only: one _GroupRun per group
     _parts: list = field(default_factory=list)
     _released: bool = False
     digests: Optional[np.ndarray] = None  # per entry, set by gather(digests=True)
@@ -308,8 +311,19 @@ class Transfer:
         self._wide: dict = {}
         # Per group: per piece, (view over all blocks as (num_blocks, size/w), dtype, w)
         self._views = [[self._piece_view(p, g.num_blocks) for p in g.pieces] for g in layout.groups]
-        self._pieces = [layout.piece_addresses(g) for g in range(len(layout.groups))]  # for the CPU copies
         self._pool_views: dict = {}
+        # CPU: every group's pieces in one table (address in block 0, block stride, size, place
+        # in the payload), so that a batch's copy rows are a few array operations whatever its
+        # groups (a step saves a block of each of several groups: per-group work was most of it).
+        pieces = [layout.piece_addresses(g) for g in range(len(layout.groups))]
+        counts = [len(size) for _, _, size in pieces]
+        self._piece_count = np.array(counts, dtype=np.int64)
+        self._piece_first = np.cumsum([0, *counts[:-1]]).astype(np.int64)
+        self._piece_base, self._piece_stride, self._piece_size = (
+            np.concatenate([table[k] for table in pieces]).astype(np.uint64) for k in range(3)
+        )
+        self._piece_start = np.concatenate([np.cumsum([0, *size[:-1]]) for _, _, size in pieces]).astype(np.uint64)
+        self._payload_bytes = [int(size.sum()) for _, _, size in pieces]
 
     def _flat(self, storage: int, dtype, w: int) -> torch.Tensor:
         key = (storage, w)
@@ -375,36 +389,45 @@ class Transfer:
             if not 0 <= b < groups[g].num_blocks:
                 raise ValueError(f"block id {b} out of range for group {g} ({groups[g].num_blocks} blocks)")
             by_group.setdefault(g, []).append(i)
+        if self.whole_entries:
+            return self._stage_whole_entries(blocks, lane)
         nbytes = self.staged_bytes(blocks)
         off = self.pool.alloc(nbytes, lane)
         if off is None:
             return None
-        batch = StagedBatch(self.pool, blocks, off, nbytes, header_room=self.header_room)
+        room = self.header_room
+        batch = StagedBatch(self.pool, blocks, off, nbytes, header_room=room)
         batch._parts = [None] * len(blocks)
         cur = off
         base = self.pool.ptr
-        for g, rows in by_group.items():
+        for g, rows in by_group.items():  # piece-major: per piece, the run's blocks as one array
             n = len(rows)
             ids = torch.tensor([blocks[i][1] for i in rows], dtype=torch.int64)
             sizes = [p.size for p in groups[g].pieces]
-            room = self.header_room
-            if self.whole_entries:
-                entry = _round(room + sum(sizes))
-                starts = np.cumsum([room, *sizes[:-1]]).tolist()  # each piece's place in its entry
-                piece_offs, row_bytes = [cur + x for x in starts], [entry] * len(sizes)
-                for k, i in enumerate(rows):
-                    batch._parts[i] = [(base + cur + k * entry + room, sum(sizes))]
-            else:
-                row_bytes = _row_bytes(groups[g].pieces, room)
-                piece_offs = []
-                piece_cur = cur
-                for size, row in zip(sizes, row_bytes):
-                    piece_offs.append(piece_cur + row - size)  # after the header room
-                    piece_cur += _round(n * row)
-                for k, i in enumerate(rows):
-                    batch._parts[i] = [(base + po + k * row, s) for po, row, s in zip(piece_offs, row_bytes, sizes)]
-            cur += _run_bytes(groups[g].pieces, room, n, self.whole_entries)
+            row_bytes = _row_bytes(groups[g].pieces, room)
+            piece_offs = []
+            for size, row in zip(sizes, row_bytes):
+                piece_offs.append(cur + row - size)  # after the header room
+                cur += _round(n * row)
+            for k, i in enumerate(rows):
+                batch._parts[i] = [(base + po + k * row, s) for po, row, s in zip(piece_offs, row_bytes, sizes)]
             batch.runs.append(_GroupRun(g, rows, ids, piece_offs, row_bytes))
+        return batch
+
+    def _stage_whole_entries(self, blocks: list, lane: Optional[str]) -> Optional[StagedBatch]:
+        """(CPU) Each entry whole at the pool's alignment: the header room, then the group's
+        pieces back to back; one payload part per entry."""
+        room, payload = self.header_room, self._payload_bytes
+        starts, nbytes = [], 0
+        for g, _ in blocks:
+            starts.append(nbytes)
+            nbytes += _round(room + payload[g])
+        off = self.pool.alloc(nbytes, lane)
+        if off is None:
+            return None
+        batch = StagedBatch(self.pool, blocks, off, nbytes, header_room=room)
+        first = self.pool.ptr + off + room
+        batch._parts = [[(first + start, payload[g])] for (g, _), start in zip(blocks, starts)]
         return batch
 
     # ---- copies ------------------------------------------------------------------------
@@ -430,18 +453,23 @@ class Transfer:
         return Fence(ev)
 
     def _cpu_rows(self, batch: StagedBatch, ok: Optional[Sequence[bool]] = None):
-        """The batch's entries (those with ``ok[i]``) as rows for the Rust copies: per piece
-        the KV address, the staging address and the size, entry by entry (``row_start``), and
-        the entry index of each row."""
-        runs = []
-        for run in batch.runs:
-            keep = np.arange(len(run.rows)) if ok is None else np.flatnonzero([ok[i] for i in run.rows])
-            base, stride, size = self._pieces[run.group]
-            staged = np.uint64(self.pool.ptr) + np.array(run.piece_offs, dtype=np.uint64)
-            row_bytes = np.array(run.row_bytes, dtype=np.uint64)
-            order = np.asarray(run.rows, dtype=np.int64)[keep]
-            runs.append(CopyRun(base, stride, run.ids.numpy()[keep], staged, row_bytes, keep, size, order))
-        return copy_rows(runs)
+        """The batch's entries (those with ``ok[i]``; whole entries) as rows for the Rust
+        copies: per piece the KV address, the staging address and the size, entry by entry
+        (``row_start``), and the entry index of each row; None without an entry."""
+        order = np.arange(len(batch.blocks)) if ok is None else np.flatnonzero(np.asarray(ok, dtype=bool))
+        if not len(order):
+            return None
+        blocks = np.asarray(batch.blocks, dtype=np.int64)[order]
+        groups, block_ids = blocks[:, 0], blocks[:, 1].astype(np.uint64)
+        payloads = np.array([batch._parts[i][0][0] for i in order], dtype=np.uint64)
+        counts = self._piece_count[groups]
+        ends = np.cumsum(counts)
+        row_start = np.zeros(len(order) + 1, dtype=np.uint64)
+        row_start[1:] = ends
+        piece = np.arange(int(ends[-1])) + np.repeat(self._piece_first[groups] - (ends - counts), counts)
+        kv = self._piece_base[piece] + np.repeat(block_ids, counts) * self._piece_stride[piece]
+        staged = np.repeat(payloads, counts) + self._piece_start[piece]
+        return kv, staged, self._piece_size[piece], row_start, order
 
     def _cpu_copy(self, batch: StagedBatch, to_pool: bool, ok=None, digests: bool = False, expected=None) -> Fence:
         """Both directions on CPU: raw region copies in the Rust core, GIL released. Not
