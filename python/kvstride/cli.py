@@ -272,6 +272,7 @@ def simulate_trace(args) -> int:
 BENCHES = (
     ("keypath.py", ["--repeat", "5"]),
     ("transfer.py", ["--threads", "1", "--reps", "7"]),
+    ("save_step.py", ["--reps", "3", "--steps", "300"]),
     ("store.py", ["--reps", "5"]),
     ("arena.py", ["--repeat", "5"]),
     ("engine.py", ["--repeat", "7"]),

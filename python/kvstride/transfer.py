@@ -305,7 +305,6 @@ class Transfer:
         self.device = layout.device or torch.device("cpu")
         self.cuda = _copies_on_cuda(layout)
         self.header_room = 0  # CPU only: free bytes staged before each entry (make_header_room_for)
-        self.whole_entries = not self.cuda  # CPU: each entry's pieces back to back (module docstring)
         self.stream = (stream or torch.cuda.Stream(device=self.device)) if self.cuda else None
         # Per storage, per dtype width: a flat tensor over the whole storage.
         self._wide: dict = {}
@@ -350,6 +349,11 @@ class Transfer:
         w = pv.element_size()
         return pv.as_strided((n, size // w), (size // w, 1), off // w)
 
+    @property
+    def whole_entries(self) -> bool:
+        """CPU: each entry's pieces back to back (module docstring); CUDA: piece-major."""
+        return not self.cuda
+
     def make_header_room_for(self, store) -> None:
         """Stage room for ``store``'s value header before each entry from now on
         (``header_room_for``); the engine calls it once, before its first stage."""
@@ -382,15 +386,16 @@ class Transfer:
         for an earlier one to be released)."""
         blocks = [(int(g), int(b)) for g, b in blocks]
         groups = self.layout.groups
-        by_group: dict = {}
-        for i, (g, b) in enumerate(blocks):
+        for g, b in blocks:
             if not 0 <= g < len(groups):
                 raise ValueError(f"group {g} out of range (layout has {len(groups)} groups)")
             if not 0 <= b < groups[g].num_blocks:
                 raise ValueError(f"block id {b} out of range for group {g} ({groups[g].num_blocks} blocks)")
-            by_group.setdefault(g, []).append(i)
         if self.whole_entries:
             return self._stage_whole_entries(blocks, lane)
+        by_group: dict = {}
+        for i, (g, _) in enumerate(blocks):
+            by_group.setdefault(g, []).append(i)
         nbytes = self.staged_bytes(blocks)
         off = self.pool.alloc(nbytes, lane)
         if off is None:
