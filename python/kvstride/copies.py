@@ -1,55 +1,53 @@
-"""Rows for the core's block copies (``_core._save_rows`` / ``_load_rows``), one builder for
-the arena's slots and the staging pool alike.
+"""Rows for the core's block copies (``_core._save_rows`` / ``_load_rows`` / ``_copy_regions``),
+one builder for the arena's slots and the staging pool alike.
 
-A copy moves every piece of a set of blocks: piece ``p`` of entry ``i`` lies at
-``src_base[p] + src_index[i] * src_stride[p]`` on one side and ``dst_base[p] + dst_index[i] *
-dst_stride[p]`` on the other (a KV tensor: base of block 0, block id, block stride; a slot:
-the piece's offset in slot 0, slot id, slot size; staging: the piece in the first entry's
-row, the entry's position, the row's bytes)."""
+A copy moves every piece of a set of blocks between the KV cache and *entries*: places where a
+block's pieces lie back to back, in order (an arena slot, a staged payload). Piece ``p`` of a
+block ``b`` lies at ``base[p] + b * stride[p]`` in the KV cache and at ``entry + start[p]`` in
+its entry. One table holds the pieces of every group, so that a batch's rows are a few array
+operations whatever its groups: a step of a hybrid model saves a block of each of several
+groups, and work per group was most of a small step's cost (``benches/save_step.py``)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Iterable, Optional, Tuple
+from typing import Tuple
 
 import numpy as np
 
-__all__ = ["CopyRun", "copy_rows"]
+from .layout import KVLayout
+
+__all__ = ["PieceTable"]
 
 
-@dataclass
-class CopyRun:
-    """Entries of one group: per piece bases, strides and sizes (uint64 arrays), per entry
-    the indices on each side, and each entry's index in the caller's order."""
+class PieceTable:
+    """Every group's pieces of ``layout``: per piece its address in block 0, its block stride,
+    its size and its start in an entry (uint64 arrays), group ``g``'s pieces being
+    ``count[g]`` rows from ``first[g]``."""
 
-    src_base: np.ndarray
-    src_stride: np.ndarray
-    src_index: np.ndarray
-    dst_base: np.ndarray
-    dst_stride: np.ndarray
-    dst_index: np.ndarray
-    size: np.ndarray
-    order: np.ndarray
+    def __init__(self, layout: KVLayout) -> None:
+        groups = [layout.piece_addresses(g) for g in range(len(layout.groups))]
+        counts = [len(size) for _, _, size in groups]
+        self.count = np.array(counts, dtype=np.int64)
+        self.first = np.cumsum([0, *counts[:-1]]).astype(np.int64)
+        self.base, self.stride, self.size = (
+            np.concatenate([group[k] for group in groups]).astype(np.uint64) for k in range(3)
+        )
+        self.start = np.concatenate([np.cumsum([0, *size[:-1]]) for _, _, size in groups]).astype(np.uint64)
 
+    def piece_start(self, group: int, piece: int) -> int:
+        """Where piece ``piece`` of ``group`` starts in an entry."""
+        return int(self.start[self.first[group] + piece])
 
-def _addresses(base: np.ndarray, index: np.ndarray, stride: np.ndarray) -> np.ndarray:
-    return (base[None, :] + index.astype(np.uint64)[:, None] * stride[None, :]).ravel()
-
-
-def copy_rows(runs: Iterable[CopyRun]) -> Optional[Tuple[np.ndarray, ...]]:
-    """(source addresses, destination addresses, lengths, row_start, order) of ``runs``, one
-    row per entry (its pieces from ``row_start[i]``), runs in turn; None without an entry."""
-    src, dst, length, counts, order = [], [], [], [], []
-    for run in runs:
-        if not len(run.order):
-            continue
-        src.append(_addresses(run.src_base, run.src_index, run.src_stride))
-        dst.append(_addresses(run.dst_base, run.dst_index, run.dst_stride))
-        length.append(np.broadcast_to(run.size, (len(run.order), len(run.size))).ravel())
-        counts.append(np.full(len(run.order), len(run.size), dtype=np.uint64))
-        order.append(np.asarray(run.order, dtype=np.int64))
-    if not src:
-        return None
-    src, dst, length = (np.ascontiguousarray(np.concatenate(x), dtype=np.uint64) for x in (src, dst, length))
-    row_start = np.concatenate([[0], np.cumsum(np.concatenate(counts))]).astype(np.uint64)
-    return src, dst, length, row_start, np.concatenate(order)
+    def rows(self, groups: np.ndarray, block_ids: np.ndarray, entries: np.ndarray) -> Tuple[np.ndarray, ...]:
+        """(KV addresses, entry addresses, lengths, row_start) of every piece of the blocks
+        ``(groups[i], block_ids[i])`` whose entries start at ``entries[i]``: entry ``i``'s
+        pieces are rows ``row_start[i]`` to ``row_start[i + 1]``, in its order."""
+        counts = self.count[groups]
+        ends = np.cumsum(counts)
+        row_start = np.zeros(len(counts) + 1, dtype=np.uint64)
+        row_start[1:] = ends
+        total = int(ends[-1]) if len(ends) else 0
+        piece = np.arange(total) + np.repeat(self.first[groups] - (ends - counts), counts)
+        kv = self.base[piece] + np.repeat(np.asarray(block_ids, dtype=np.uint64), counts) * self.stride[piece]
+        at = np.repeat(np.asarray(entries, dtype=np.uint64), counts) + self.start[piece]
+        return kv, at, self.size[piece], row_start

@@ -41,6 +41,7 @@ from typing import Optional, Sequence, Tuple
 import numpy as np
 import torch
 
+from .copies import PieceTable
 from .layout import KVLayout
 from .stores.base import HEADER_BYTES, _with_header_room
 
@@ -311,18 +312,7 @@ class Transfer:
         # Per group: per piece, (view over all blocks as (num_blocks, size/w), dtype, w)
         self._views = [[self._piece_view(p, g.num_blocks) for p in g.pieces] for g in layout.groups]
         self._pool_views: dict = {}
-        # CPU: every group's pieces in one table (address in block 0, block stride, size, place
-        # in the payload), so that a batch's copy rows are a few array operations whatever its
-        # groups (a step saves a block of each of several groups: per-group work was most of it).
-        pieces = [layout.piece_addresses(g) for g in range(len(layout.groups))]
-        counts = [len(size) for _, _, size in pieces]
-        self._piece_count = np.array(counts, dtype=np.int64)
-        self._piece_first = np.cumsum([0, *counts[:-1]]).astype(np.int64)
-        self._piece_base, self._piece_stride, self._piece_size = (
-            np.concatenate([table[k] for table in pieces]).astype(np.uint64) for k in range(3)
-        )
-        self._piece_start = np.concatenate([np.cumsum([0, *size[:-1]]) for _, _, size in pieces]).astype(np.uint64)
-        self._payload_bytes = [int(size.sum()) for _, _, size in pieces]
+        self._pieces = PieceTable(layout)  # for the CPU copies
 
     def _flat(self, storage: int, dtype, w: int) -> torch.Tensor:
         key = (storage, w)
@@ -422,7 +412,7 @@ class Transfer:
     def _stage_whole_entries(self, blocks: list, lane: Optional[str]) -> Optional[StagedBatch]:
         """(CPU) Each entry whole at the pool's alignment: the header room, then the group's
         pieces back to back; one payload part per entry."""
-        room, payload = self.header_room, self._payload_bytes
+        room, payload = self.header_room, [g.block_bytes for g in self.layout.groups]
         starts, nbytes = [], 0
         for g, _ in blocks:
             starts.append(nbytes)
@@ -465,16 +455,8 @@ class Transfer:
         if not len(order):
             return None
         blocks = np.asarray(batch.blocks, dtype=np.int64)[order]
-        groups, block_ids = blocks[:, 0], blocks[:, 1].astype(np.uint64)
         payloads = np.array([batch._parts[i][0][0] for i in order], dtype=np.uint64)
-        counts = self._piece_count[groups]
-        ends = np.cumsum(counts)
-        row_start = np.zeros(len(order) + 1, dtype=np.uint64)
-        row_start[1:] = ends
-        piece = np.arange(int(ends[-1])) + np.repeat(self._piece_first[groups] - (ends - counts), counts)
-        kv = self._piece_base[piece] + np.repeat(block_ids, counts) * self._piece_stride[piece]
-        staged = np.repeat(payloads, counts) + self._piece_start[piece]
-        return kv, staged, self._piece_size[piece], row_start, order
+        return (*self._pieces.rows(blocks[:, 0], blocks[:, 1], payloads), order)
 
     def _cpu_copy(self, batch: StagedBatch, to_pool: bool, ok=None, digests: bool = False, expected=None) -> Fence:
         """Both directions on CPU: raw region copies in the Rust core, GIL released. Not

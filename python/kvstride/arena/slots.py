@@ -11,7 +11,6 @@ GIL released, spread over cores for large batches; a torch path for device tenso
 from __future__ import annotations
 
 import threading
-from dataclasses import dataclass
 from typing import Dict, List, Optional
 
 import numpy as np
@@ -19,7 +18,7 @@ import torch
 
 from kvstride import _core
 from kvstride.arena.index import ALIGN
-from kvstride.copies import CopyRun, copy_rows
+from kvstride.copies import PieceTable
 from kvstride.layout import KVLayout
 from kvstride.stores.base import Status
 
@@ -27,18 +26,6 @@ __all__ = ["HostArena", "ArenaSlots", "VALUE_GROUP"]
 
 #: ``HostArena.slot_group`` of a slot holding a value written through ``save_regions``.
 VALUE_GROUP = -2
-
-
-@dataclass
-class _GroupCopy:
-    """Per group: for each piece, the address of block 0, the block stride, the size, and
-    the piece's offset inside a slot."""
-
-    base: np.ndarray
-    stride: np.ndarray
-    size: np.ndarray
-    slot_offset: np.ndarray
-    block_bytes: int
 
 
 class HostArena:
@@ -75,7 +62,7 @@ class HostArena:
         self.slot_group = np.full(self.num_slots, -1, dtype=np.int64)  # -1: never written
         self.layout: Optional[KVLayout] = None
         self.copier = "regions"
-        self._groups: List[_GroupCopy] = []
+        self._pieces: Optional[PieceTable] = None
         self.block_bytes = np.zeros(0, dtype=np.uint64)
         self._views: Dict[tuple, tuple] = {}
         if layout is not None:
@@ -94,18 +81,13 @@ class HostArena:
         if copier not in ("regions", "torch"):
             raise ValueError(f"copier must be 'regions' or 'torch', got {copier!r}")
         self.layout, self.copier = layout, copier
-        self._groups = [self._group_copy(g) for g in layout.groups]
+        self._pieces = PieceTable(layout)  # a block's pieces fill its slot in order
         self.block_bytes = np.array([g.block_bytes for g in layout.groups], dtype=np.uint64)  # per group
         self._views = {}
 
     @property
     def nbytes(self) -> int:
         return self.buffer.numel()
-
-    def _group_copy(self, group) -> _GroupCopy:
-        base, stride, size = self.layout.piece_addresses(group.group)
-        offsets = np.concatenate([[0], np.cumsum(size)[:-1]]).astype(np.uint64)
-        return _GroupCopy(base, stride, size, offsets, group.block_bytes)
 
     def _check(self, slots: np.ndarray, groups: np.ndarray, block_ids: np.ndarray) -> None:
         if self.layout is None:
@@ -115,28 +97,18 @@ class HostArena:
         if len(slots) and (slots.min() < 0 or slots.max() >= self.num_slots):
             raise ValueError(f"slot out of range 0..{self.num_slots - 1}")
         for g in np.unique(groups):
-            if not 0 <= g < len(self._groups):
-                raise ValueError(f"group {g} out of range (layout has {len(self._groups)} groups)")
+            if not 0 <= g < len(self.layout.groups):
+                raise ValueError(f"group {g} out of range (layout has {len(self.layout.groups)} groups)")
             ids = block_ids[groups == g]
             if ids.min() < 0 or ids.max() >= self.layout.groups[g].num_blocks:
                 raise ValueError(f"block id out of range for group {g}")
 
     def _rows(self, slots, groups, block_ids):
-        """The entries as rows for the Rust copy: (KV addresses, slot addresses, lengths) of
-        every piece, where each row's pieces start (``row_start``), and ``order``: the entry
-        index of each row (rows go group by group). A row's pieces fill its slot in order."""
-        runs = []
-        for g in np.unique(groups):
-            (index,) = np.nonzero(groups == g)
-            copy = self._groups[g]
-            slot_stride = np.full(len(copy.size), self.slot_bytes, dtype=np.uint64)
-            slot_base = np.uint64(self.ptr) + copy.slot_offset
-            runs.append(CopyRun(copy.base, copy.stride, block_ids[index], slot_base, slot_stride, slots[index], copy.size, index))
-        rows = copy_rows(runs)
-        if rows is None:
-            empty = np.zeros(0, dtype=np.uint64)
-            return empty, empty, empty, np.zeros(1, dtype=np.uint64), np.zeros(0, dtype=np.int64)
-        return rows
+        """The entries as rows for the Rust copy, entry by entry: (KV addresses, slot
+        addresses, lengths) of every piece and where each entry's pieces start
+        (``row_start``)."""
+        entries = np.uint64(self.ptr) + slots.astype(np.uint64) * np.uint64(self.slot_bytes)
+        return self._pieces.rows(groups, block_ids, entries)
 
     def _digest(self, slots: np.ndarray, groups: np.ndarray) -> np.ndarray:
         addrs = np.ascontiguousarray(self.ptr + slots.astype(np.uint64) * np.uint64(self.slot_bytes))
@@ -152,7 +124,7 @@ class HostArena:
             p = self.layout.groups[group].pieces[piece]
             storage = self.layout.storages[p.storage]
             kv = storage.as_strided((self.layout.groups[group].num_blocks, p.size), (p.stride, 1), p.offset)
-            off = int(self._groups[group].slot_offset[piece])
+            off = self._pieces.piece_start(group, piece)
             slot = self.buffer.as_strided((self.num_slots, p.size), (self.slot_bytes, 1), off)
             self._views[key] = (kv, slot)
         return self._views[key]
@@ -179,10 +151,9 @@ class HostArena:
         slots, groups, block_ids = (np.asarray(a, dtype=np.int64) for a in (slots, groups, block_ids))
         self._check(slots, groups, block_ids)
         if self.copier == "regions":
-            kv, slot, length, row_start, order = self._rows(slots, groups, block_ids)
+            kv, slot, length, row_start = self._rows(slots, groups, block_ids)
             if digest:
-                digests = np.empty(len(slots), dtype=np.uint64)
-                digests[order] = _core._save_rows(kv, slot, length, row_start)
+                digests = _core._save_rows(kv, slot, length, row_start)
             else:
                 _core._copy_regions(kv, slot, length)
         else:
@@ -206,9 +177,9 @@ class HostArena:
             return ok
         s, g, b = slots[candidates], groups[candidates], block_ids[candidates]
         if self.copier == "regions":
-            kv, slot, length, row_start, order = self._rows(s, g, b)
+            kv, slot, length, row_start = self._rows(s, g, b)
             if verify:
-                ok[candidates[order]] = _core._load_rows(slot, kv, length, row_start, self.digests[s[order]])
+                ok[candidates] = _core._load_rows(slot, kv, length, row_start, self.digests[s])
             else:
                 _core._copy_regions(slot, kv, length)
                 ok[candidates] = True
