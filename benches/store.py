@@ -28,10 +28,11 @@ copy in the same run: a save is the gather from the "KV cache" into staging then
 load is the get into staging then the scatter out of it. Raw: ``_copy_regions`` + the raw batch
 call; XXH3 / MAC: ``_save_rows`` / ``_load_rows`` (digest or tag riding the copy) + the store
 call with ``digests=`` / ``digests_out=``. Same threads on both sides (rayon's pool for the
-copies, Mooncake's for the transfer). Staging is a ``StagingPool`` laid out piece-major as the
-engine's was before it staged whole entries: the raw baseline's without header room (as the engine staged before), kvstride's with
-it; "raw + copy, header room layout" is the raw path on kvstride's staging (what the layout alone
-changes), "header part of its own" kvstride's path as it was before (three parts a value).
+copies, Mooncake's for the transfer). Staging is a ``StagingPool`` laid out piece-major, as the
+engine's was before it staged whole entries: the raw baseline's without header room (as the
+engine staged before), kvstride's with it; "raw + copy, header room layout" is the raw path on
+kvstride's staging (what the layout alone changes), "header part of its own" kvstride's path as
+it was before (three parts a value).
 """
 
 import argparse
@@ -169,8 +170,9 @@ def main():
 
         def staged(header_room):
             """A staging pool and each value's payload parts in it, piece-major as
-            ``Transfer.stage`` laid blocks out on CPU before whole entries: piece 0 of every value (each after the header's
-            room when ``header_room``), then piece 1 of every value."""
+            ``Transfer.stage`` laid blocks out on CPU before whole entries: piece 0 of every
+            value (each after the header's room when ``header_room``), then piece 1 of every
+            value."""
             row = half + (room if header_room else 0)
             pool = transfer_mod.StagingPool(transfer_mod._round(n * row) + n * half, load_bytes=0, pin=False)
             for s in ms.values():

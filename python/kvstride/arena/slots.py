@@ -107,11 +107,13 @@ class HostArena:
         """The entries as rows for the Rust copy, entry by entry: (KV addresses, slot
         addresses, lengths) of every piece and where each entry's pieces start
         (``row_start``)."""
-        entries = np.uint64(self.ptr) + slots.astype(np.uint64) * np.uint64(self.slot_bytes)
-        return self._pieces.rows(groups, block_ids, entries)
+        return self._pieces.rows(groups, block_ids, self._slot_addresses(slots))
+
+    def _slot_addresses(self, slots: np.ndarray) -> np.ndarray:
+        return np.uint64(self.ptr) + slots.astype(np.uint64) * np.uint64(self.slot_bytes)
 
     def _digest(self, slots: np.ndarray, groups: np.ndarray) -> np.ndarray:
-        addrs = np.ascontiguousarray(self.ptr + slots.astype(np.uint64) * np.uint64(self.slot_bytes))
+        addrs = np.ascontiguousarray(self._slot_addresses(slots))
         lengths = np.ascontiguousarray(self.block_bytes[groups])
         return _core._xxh3_64_regions(addrs, lengths)
 
@@ -208,8 +210,7 @@ class HostArena:
         addr, length, offset, row_start, totals = (
             np.array(x, dtype=np.uint64) for x in (addr, length, offset, row_start, totals)
         )
-        bases = self.ptr + slots.astype(np.uint64) * np.uint64(self.slot_bytes)
-        slot_addr = np.repeat(bases, np.diff(row_start).astype(np.int64)) + offset
+        slot_addr = np.repeat(self._slot_addresses(slots), np.diff(row_start).astype(np.int64)) + offset
         return addr, slot_addr, length, row_start, totals
 
     def save_regions(self, slots, values, *, digest: bool = True) -> None:
