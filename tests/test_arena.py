@@ -71,7 +71,7 @@ def test_touching_keys_again_and_again_does_not_grow_the_index():
     index.confirm(list("abcd"))
     for _ in range(5000):
         index.touch(list("abcd"))
-    assert len(index._heap) <= 2 * 4 + 1024 + 1
+    assert index.order.heap_entries <= 2 * 4 + 1024 + 1
     index.reserve(list("efgh") + ["i"])  # the order survived the rebuilds: a, first in every touch, goes
     assert index.exists(list("abcd")) == [False, True, True, True]
 

@@ -10,9 +10,11 @@ import numpy as np
 import pytest
 
 from kvstride import _core
-from kvstride.capacity import BoundaryIndex, LRUIndex
+from kvstride.arena import SlotIndex
+from kvstride.capacity import BoundaryIndex, LRUIndex, PrefixIndex
 from kvstride.cli import main
 from kvstride.trace import (
+    EXTRA_POLICIES,
     POLICIES,
     ReplayConfig,
     TraceReplay,
@@ -166,6 +168,57 @@ def test_capacity_pressure_dense_evicts_kvstride_keeps(toy):
     assert ks["resident_bytes_by_kind"] == {"full_attention": 70, "mamba": 90}
 
 
+def test_kvstride_evicts_the_least_recent_request_from_its_deepest_boundary(toy):
+    """A state at every block; the store holds two requests. A third evicts the first one's
+    deepest block and state (the embedded store's order), so a repeat of the first still hits
+    one boundary short; a per-value LRU evicts its head and the repeat hits nothing."""
+    trace = [req([1, 2, 3]), req([7, 8]), req([9]), req([1, 2, 3])]
+    ks, hits = run(toy, trace, "kvstride", capacity=200, checkpoints="every:512")
+    assert hits == [1024] and ks["resident_bytes"] <= 200
+    assert run(toy, trace, "kvstride-admission", capacity=200, checkpoints="every:512")[1] == []
+
+
+def test_replay_index_evicts_as_the_embedded_store_does():
+    """The replay's kvstride index and the arena's SlotIndex run one order: fed the same
+    ranked keys, touches and unit-sized values, they hold the same keys after every step."""
+    slots, index = SlotIndex(6), PrefixIndex(6)
+    steps = [
+        ("save", "a", [("a16", 16), ("a32", 32), ("a48", 48)]),
+        ("save", "b", [("b16", 16), ("b32", 32)]),
+        ("load", "a", ["a16", "a32"]),  # a's prefix is loaded: b is now the least recent
+        ("save", "c", [("c16", 16), ("c32", 32), ("c48", 48)]),
+        ("save", "d", [("a16", 16), ("d32", 32)]),  # shares a's head: present, skipped
+    ]
+    seen = []
+    for action, _request, items in steps:
+        seen += [item if action == "load" else item[0] for item in items]
+        stamp = slots.stamp()
+        assert index.stamp() == stamp
+        if action == "load":
+            slots.unpin(slots.pin(items, stamp))
+            index.touch(items, stamp)
+        else:
+            new = [(key, depth) for key, depth in items if not slots.known([key])[0]]
+            ranks = {key: (stamp, depth) for key, depth in new}
+            slots.confirm([k for k, s in zip(ranks, slots.reserve(list(ranks), ranks)) if s is not None])
+            index.put_many([(key, 1, "full_attention", stamp, depth) for key, depth in items])
+        assert slots.exists(seen) == index.exists(seen) and slots.evictions == index.evictions
+    assert sorted(slots.keys()) == ["a16", "a32", "c16", "c32", "c48", "d32"]
+
+
+def test_prefix_index():
+    index = PrefixIndex(25)
+    old, new = index.stamp(), index.stamp()
+    index.put_many([("a", 10, "full_attention", old, 16), ("s", 10, "mamba", old, 32)])
+    index.put_many([("b", 10, "full_attention", new, 16)])  # the old request's deepest value goes
+    assert index.exists(["a", "s", "b"]) == [True, False, True] and index.evictions == 1
+    index.touch(["a"], index.stamp())
+    index.put_many([("c", 10, "mamba", index.stamp(), 16)])
+    assert index.exists(["a", "b", "c"]) == [True, False, True]
+    assert index.resident() == {"full_attention": 10, "mamba": 10}
+    assert index.put_many([("d", 26, "mamba", index.stamp(), 16)]) == 0 and index.rejected == 1
+
+
 def test_boundary_index_keeps_sets_coherent():
     index = BoundaryIndex(100)
     fa = [(f"fa{i}", 10, "full_attention") for i in range(4)]
@@ -192,7 +245,7 @@ def test_lru_index():
     assert not index.put("d", 26, "mamba")
 
 
-@pytest.mark.parametrize("policy", POLICIES)
+@pytest.mark.parametrize("policy", POLICIES + EXTRA_POLICIES)
 @pytest.mark.parametrize("geometry", [TOY, TOY_SWA])
 def test_every_reported_hit_is_servable_by_every_group(tmp_path, policy, geometry):
     path = tmp_path / "m.json"

@@ -3,13 +3,15 @@
 A store of fixed capacity is worth the hits it serves. For hybrid models most of what a dense
 store keeps can never serve a hit (a Mamba state at a boundary no later prompt stops at, a
 sliding-window block outside every window a hit needs, attention blocks past the last state
-they could be used with). Two indexes, both key -> bytes with the resident total kept within
-``capacity_bytes``; neither holds the bytes themselves (the embedded arena or Mooncake does),
-so either can sit in front of a real store:
+they could be used with). The orders and indexes here hold no bytes themselves (the embedded
+arena or Mooncake does), so any of them can sit in front of a real store:
 
+- :class:`PrefixOrder`: the embedded store's eviction order (the arena's ``SlotIndex`` runs
+  it, and the replay's ``kvstride`` policy through :class:`PrefixIndex`): the least recently
+  used request first, its deepest block first, so what stays of a request is a prefix that
+  can still serve a hit at some shorter boundary (SEMANTICS §8).
 - :class:`LRUIndex`: every value on its own, least recently used evicted first (what ``dense``
-  and ``vllm-reachable`` replay with; the embedded store's own index, ``kvstride.arena``,
-  evicts a least recently used request's deepest blocks first).
+  and ``vllm-reachable`` replay with).
 - :class:`BoundaryIndex`: the unit is a *boundary set*: the keys one hit length ``X`` needs in
   every group (attention blocks up to ``X``, the window tail before ``X``, the state at ``X``).
   A key lives while some resident boundary needs it (reference counts), so the sets stay
@@ -18,9 +20,10 @@ so either can sit in front of a real store:
   GreedyDual-Size-Frequency form: ``clock + min(hits, 4) x (1 + value_weight x w / mean(w))``
   where ``w`` = prefill tokens a hit at the boundary saves per byte the set added; the clock
   rises to each evicted priority, so recency, reuse and work saved per byte are weighed
-  together (``value_weight`` 0 is LRU with frequency over boundary sets).
+  together (``value_weight`` 0 is LRU with frequency over boundary sets). The replay's
+  ``kvstride-boundary-sets`` policy runs it; the connector does not (yet).
 
-Both keep counts of the bytes resident by group kind and the bytes written.
+All indexes keep counts of the bytes resident by group kind and the bytes written.
 """
 
 from __future__ import annotations
@@ -31,6 +34,82 @@ import itertools
 from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 
 Put = Tuple[str, int, str]  # (key, bytes, group kind)
+
+
+class PrefixOrder:
+    """Keys ranked ``(stamp, -depth)``: the lowest goes first. A caller that gives each key the
+    stamp of the newest request that wrote or read it and the tokens its block ends at keeps
+    every request's resident keys a prefix of it; without depths, keys of one stamp leave in
+    the order they were ranked (least recently used first)."""
+
+    def __init__(self) -> None:
+        # key -> its live heap entry (stamp, -depth, serial); stale entries left in the heap
+        # (re-ranked or forgotten keys) are skipped when popped.
+        self._live: Dict[str, Tuple[int, int, int]] = {}
+        self._heap: List[Tuple[int, int, int, str]] = []
+        self._clock = itertools.count(1)
+        self._serial = itertools.count()
+
+    def __len__(self) -> int:
+        return len(self._live)
+
+    def __contains__(self, key: str) -> bool:
+        return key in self._live
+
+    @property
+    def heap_entries(self) -> int:
+        return len(self._heap)
+
+    def stamp(self) -> int:
+        """A stamp newer than every one given so far."""
+        return next(self._clock)
+
+    def rank(self, key: str, stamp: int, depth: int = 0) -> None:
+        entry = (stamp, -depth, next(self._serial))
+        self._live[key] = entry
+        heapq.heappush(self._heap, entry + (key,))
+        if len(self._heap) > 2 * len(self._live) + 1024:  # mostly stale (touched keys): rebuild
+            self._heap = [live + (k,) for k, live in self._live.items()]
+            heapq.heapify(self._heap)
+
+    def touch(self, keys: Iterable[str], stamp: int) -> None:
+        """Ranked keys used at ``stamp`` (never older than they were), each keeping its depth."""
+        live = self._live
+        for key in keys:
+            entry = live.get(key)
+            if entry is not None:
+                self.rank(key, max(stamp, entry[0]), -entry[1])
+
+    def forget(self, key: str) -> None:
+        del self._live[key]
+
+    def ordered(self, keys: Iterable[str]) -> List[str]:
+        """``keys`` (all ranked), first to be evicted first."""
+        return sorted(keys, key=self._live.__getitem__)
+
+    def pop(self, skip=None) -> Optional[str]:
+        """Take the lowest ranked key (passing over those ``skip(key)`` is true for, which keep
+        their rank); None when none is left."""
+        heap, live, passed = self._heap, self._live, []
+        try:
+            while heap:
+                item = heapq.heappop(heap)
+                key = item[3]
+                if live.get(key) != item[:3]:
+                    continue  # stale: the key was re-ranked or is gone
+                if skip is not None and skip(key):
+                    passed.append(item)
+                    continue
+                del live[key]
+                return key
+            return None
+        finally:
+            for item in passed:
+                heapq.heappush(heap, item)
+
+    def clear(self) -> None:
+        self._live.clear()
+        self._heap.clear()
 
 
 class _Counters:
@@ -115,6 +194,59 @@ class LRUIndex(_Counters):
         self.bytes_written += written
         self.values_written += values
         self.evictions += evictions
+        return written
+
+
+class PrefixIndex(_Counters):
+    """Key -> (bytes, kind) in :class:`PrefixOrder`, the embedded store's eviction order, over
+    values of any size (the replay's ``kvstride`` policy; the arena's ``SlotIndex`` runs the
+    same order over its slots). Puts of present keys are skipped and keep their rank, as the
+    connector's saves skip the keys the arena holds."""
+
+    def __init__(self, capacity_bytes: int) -> None:
+        super().__init__(capacity_bytes)
+        self.order = PrefixOrder()
+        self._entries: Dict[str, Tuple[int, str]] = {}
+
+    def __contains__(self, key: str) -> bool:
+        return key in self._entries
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def stamp(self) -> int:
+        return self.order.stamp()
+
+    def exists(self, keys: Sequence[str]) -> List[bool]:
+        entries = self._entries
+        return [k in entries for k in keys]
+
+    def touch(self, keys: Iterable[str], stamp: int) -> None:
+        self.order.touch(keys, stamp)
+
+    def put_many(self, puts: Iterable[Tuple[str, int, str, int, int]]) -> int:
+        """Admit each (key, bytes, kind, stamp, depth) in order, evicting in the order's turn to
+        make room; the bytes written."""
+        entries, by_kind, order = self._entries, self.resident_by_kind, self.order
+        written = 0
+        for key, nbytes, kind, stamp, depth in puts:
+            if key in entries:
+                continue
+            if nbytes > self.capacity_bytes:
+                self.rejected += 1
+                continue
+            while self.used + nbytes > self.capacity_bytes:
+                size, old_kind = entries.pop(order.pop())
+                self.used -= size
+                by_kind[old_kind] -= size
+                self.evictions += 1
+            entries[key] = (nbytes, kind)
+            order.rank(key, stamp, depth)
+            self.used += nbytes
+            by_kind[kind] += nbytes
+            written += nbytes
+            self.values_written += 1
+        self.bytes_written += written
         return written
 
 

@@ -509,7 +509,8 @@ def build_parser() -> argparse.ArgumentParser:
     sim.add_argument(
         "--policy",
         default=None,
-        help="with --trace: dense | vllm-reachable | kvstride (default) | all",
+        help="with --trace: dense | vllm-reachable | kvstride (default) | all; ablations of kvstride's "
+        "eviction, not in all: kvstride-admission (per-value LRU), kvstride-boundary-sets (BoundaryIndex)",
     )
     sim.add_argument("--limit", type=int, default=None, help="with --trace: replay only the first N requests")
     sim.add_argument(

@@ -34,8 +34,15 @@ Policies:
   re-renders the prompt's tail; in a Mooncake trace its last, partial 512-token block never
   repeats), the deepest junction with a prefix the index has seen before, and one every 16384
   tokens (two prompts sharing that much meet at one); attention blocks only up to the last of
-  them. Eviction: :class:`kvstride.capacity.BoundaryIndex` (coherent boundary sets, lowest
-  priority first: recency, reuse, prefill tokens saved per byte).
+  them. Eviction: the embedded store's own order (:class:`kvstride.capacity.PrefixOrder`, which
+  the arena's ``SlotIndex`` runs): the least recently used request first, its deepest block
+  first; a request's stamp is taken at its lookup, and its hit's keys and its saves take it,
+  as the connector's loads and saves do.
+
+Not in ``all``: ``kvstride-admission`` (kvstride's admission with a per-value LRU) and
+``kvstride-boundary-sets`` (the same admission with :class:`kvstride.capacity.BoundaryIndex`:
+reference-counted boundary sets, lowest priority first: recency, reuse, prefill tokens saved
+per byte), ablations of the eviction; the connector runs neither.
 """
 
 from __future__ import annotations
@@ -50,13 +57,13 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import numpy as np
 
 from kvstride import _core
-from kvstride.capacity import BoundaryIndex, Ghost, LRUIndex
+from kvstride.capacity import BoundaryIndex, Ghost, LRUIndex, PrefixIndex
 
 TRACE_BLOCK = 512
 VOCAB = 150_000
 POLICIES = ("dense", "vllm-reachable", "kvstride")
-# Not in "all": kvstride's admission with the plain LRU index (an ablation of its eviction).
-EXTRA_POLICIES = ("kvstride-admission",)
+# Not in "all": kvstride's admission with other indexes (ablations of its eviction).
+EXTRA_POLICIES = ("kvstride-admission", "kvstride-boundary-sets")
 ATTENTION_KINDS = ("full_attention", "mla")
 MODELS_DIR = os.path.join(os.path.dirname(__file__), "models")
 DEFAULT_MODEL = "qwen3-next-80b"
@@ -338,8 +345,12 @@ class TraceReplay:
         self.trie.touched = [False] * len(self.trie.touched)
         planner, trie, a, s, h = self.planner, self.trie, self.a, self.s, self.h
         groups = self.groups
-        boundary_index = cfg.policy == "kvstride"
-        index = BoundaryIndex(cfg.capacity_bytes) if boundary_index else LRUIndex(cfg.capacity_bytes)
+        boundary_index = cfg.policy == "kvstride-boundary-sets"
+        prefix_index = cfg.policy == "kvstride"
+        if boundary_index:
+            index = BoundaryIndex(cfg.capacity_bytes)
+        else:
+            index = PrefixIndex(cfg.capacity_bytes) if prefix_index else LRUIndex(cfg.capacity_bytes)
         self.ghost = index.ghost if boundary_index else Ghost()
         stats = dict(requests=0, prompt_tokens=0, hit_tokens=0, unservable_hits=0, hits=0, truncated_inputs=0)
         progress = None
@@ -360,6 +371,7 @@ class TraceReplay:
             hashes = self._hashes(nodes, n)
             stats["requests"] += 1
             stats["prompt_tokens"] += n
+            stamp = index.stamp() if prefix_index else None  # the connector's: one per request
             hit = 0
             if hashes:
                 n_look = self._lookup_tokens(nodes, n)
@@ -379,11 +391,13 @@ class TraceReplay:
                         cfg.on_hit(self, index, hashes, hit)
                     if boundary_index:
                         index.touch_boundary(hashes[hit // h - 1])
+                    elif prefix_index:
+                        index.touch(got, stamp)
                     else:
                         index.touch(got)
             stats["hit_tokens"] += hit
             if hashes:
-                self._save(cfg, index, nodes, hashes, n, hit)
+                self._save(cfg, index, nodes, hashes, n, hit, stamp)
             if progress is not None:
                 progress.update(1)
         if progress is not None:
@@ -415,7 +429,8 @@ class TraceReplay:
             "seconds": seconds,
         }
 
-    def _save(self, cfg: ReplayConfig, index, nodes: List[int], hashes: List[bytes], n: int, hit: int) -> None:
+    def _save(self, cfg: ReplayConfig, index, nodes: List[int], hashes: List[bytes], n: int, hit: int,
+              stamp: Optional[int]) -> None:
         planner, a, s, h = self.planner, self.a, self.s, self.h
         groups, bpb = self.groups, self.model.bytes_per_block
         full = len(hashes) * h  # tokens with hashes
@@ -469,27 +484,32 @@ class TraceReplay:
         touched = self.trie.touched
         # Attention and window blocks: the core's normal save from the saved offset.
         tables = [list(range(1, -(-max(end, 1) // self.block[g]) + 2)) for g in range(len(groups))]
-        puts: List[Tuple[str, int, str]] = []
+        # (key, bytes, kind, depth): depth the tokens its block ends at (the state's: its boundary)
+        puts: List[Tuple[str, int, str, int]] = []
         if end > offset:
             # Window groups keep only the tails of the chosen boundaries (SEMANTICS §8).
             admitted = None if policy == "dense" else bounds
             sizes = [(bpb[g], groups[g].kind) for g in range(len(groups))]
-            for key, g, _block in planner.plan_save(hashes, tables, end, saved_offset=offset, boundaries=admitted).puts:
+            block = self.block
+            for key, g, block_id in planner.plan_save(hashes, tables, end, saved_offset=offset, boundaries=admitted).puts:
                 nb, kind = sizes[g]
-                puts.append((key, nb, kind))
+                puts.append((key, nb, kind, block_id * block[g]))  # table ids are 1-based
         for g in self.mambas:
             for x in bounds:
-                puts.append((planner.key(g, hashes[x // h - 1]), bpb[g], "mamba"))
+                puts.append((planner.key(g, hashes[x // h - 1]), bpb[g], "mamba", x))
         # Every trace block a value may be written in counts as touched (a superset is safe
         # for the lookup bound in _lookup_tokens).
         top = max([end] + bounds)
         for d in range(offset // TRACE_BLOCK, min(len(nodes), -(-top // TRACE_BLOCK))):
             touched[nodes[d]] = True
-        if policy != "kvstride":
-            index.put_many(puts)
+        if policy == "kvstride":
+            index.put_many([(key, nb, kind, stamp, depth) for key, nb, kind, depth in puts])
             return
-        # kvstride: one boundary set per boundary: every key a hit there loads (the core's load
-        # plan: attention blocks up to it, the window tail, the state).
+        if policy != "kvstride-boundary-sets":
+            index.put_many([put[:3] for put in puts])
+            return
+        # One boundary set per boundary: every key a hit there loads (the core's load plan:
+        # attention blocks up to it, the window tail, the state).
         sizes = [(bpb[g], groups[g].kind) for g in range(len(groups))]
         for x in bounds:
             gets = planner.plan_load(hashes, tables, x).gets

@@ -4,10 +4,9 @@ wrote them (:mod:`kvstride.arena` says how the two sides fit). No bytes live her
 
 from __future__ import annotations
 
-import heapq
-import itertools
 from typing import Dict, List, Optional, Sequence, Tuple
 
+from kvstride.capacity import PrefixOrder
 from kvstride.stores.placement import EVERY_RANK
 
 __all__ = ["SlotIndex", "ArenaPlacement", "slots_for", "ALIGN"]
@@ -37,13 +36,14 @@ class SlotIndex:
     ``ready`` keys are readable on every rank; ``writing`` keys have a slot whose save has not
     been confirmed by every rank; ``pins`` count the loads in flight per slot.
 
-    Eviction takes the ready key with the lowest ``(stamp, -depth)``: the least recently used
-    prefix first, and within it the deepest block first. A caller that gives each key the
-    stamp of the request that wrote or read it and the tokens its block ends at (``ranks``)
-    keeps every request's resident keys a prefix of it, so what stays can still serve a hit
-    at some shorter boundary (SEMANTICS §8: a block past the last boundary every group can
-    serve is worth nothing). Without ``ranks`` each call is one stamp and keys keep their call
-    order: least recently used first."""
+    Eviction takes the ready key first in :class:`kvstride.capacity.PrefixOrder` (the order
+    the replay's ``kvstride`` policy runs too): the least recently used prefix first, and
+    within it the deepest block first. A caller that gives each key the stamp of the request
+    that wrote or read it and the tokens its block ends at (``ranks``) keeps every request's
+    resident keys a prefix of it, so what stays can still serve a hit at some shorter boundary
+    (SEMANTICS §8: a block past the last boundary every group can serve is worth nothing).
+    Without ``ranks`` each call is one stamp and keys keep their call order: least recently
+    used first."""
 
     def __init__(self, num_slots: int) -> None:
         self.num_slots = int(num_slots)
@@ -54,12 +54,7 @@ class SlotIndex:
         self._pins: Dict[int, int] = {}  # slot -> loads in flight reading it
         self._key_of: Dict[int, str] = {}  # slot -> the key it holds or is being written for
         self._doomed: set = set()  # dropped slots still pinned: freed when the last load ends
-        # Eviction order: key -> its live heap entry (stamp, -depth, serial); stale entries
-        # left in the heap are skipped when popped.
-        self._order: Dict[str, Tuple[int, int, int]] = {}
-        self._heap: List[Tuple[int, int, int, str]] = []
-        self._clock = itertools.count(1)
-        self._serial = itertools.count()
+        self.order = PrefixOrder()  # the ready keys' eviction order
         self.evictions = 0
 
     def __len__(self) -> int:
@@ -67,15 +62,7 @@ class SlotIndex:
 
     def stamp(self) -> int:
         """A stamp newer than every one given so far."""
-        return next(self._clock)
-
-    def _rank(self, key: str, stamp: int, depth: int) -> None:
-        entry = (stamp, -depth, next(self._serial))
-        self._order[key] = entry
-        heapq.heappush(self._heap, entry + (key,))
-        if len(self._heap) > 2 * len(self._order) + 1024:  # mostly stale (touched keys): rebuild
-            self._heap = [live + (k,) for k, live in self._order.items()]
-            heapq.heapify(self._heap)
+        return self.order.stamp()
 
     # The KVStore surface OffloadEngine.lookup uses: present = readable on every rank.
     def exists(self, keys: Sequence[str]) -> List[bool]:
@@ -87,17 +74,14 @@ class SlotIndex:
 
     def keys(self) -> List[str]:
         """The ready keys, first to be evicted first."""
-        return sorted(self._ready, key=self._order.__getitem__)
+        return self.order.ordered(self._ready)
 
     def ready_slots(self) -> List[int]:
         return list(self._ready.values())
 
     def touch(self, keys: Sequence[str], stamp: Optional[int] = None) -> None:
         """Mark ready keys used now (``stamp``, else a new one), each keeping its depth."""
-        stamp = self.stamp() if stamp is None else stamp
-        for key in keys:
-            if key in self._ready:
-                self._rank(key, max(stamp, self._order[key][0]), -self._order[key][1])
+        self.order.touch(keys, self.stamp() if stamp is None else stamp)
 
     def known(self, keys: Sequence[str]) -> List[bool]:
         """Readable, or being written (a save need not write it again)."""
@@ -142,7 +126,7 @@ class SlotIndex:
             if key is None or self._ready.get(key) != s:
                 continue
             del self._ready[key]
-            del self._order[key]
+            self.order.forget(key)
             del self._key_of[s]
             if s in self._pins:
                 self._doomed.add(s)
@@ -165,26 +149,14 @@ class SlotIndex:
         return out
 
     def _evict_one(self) -> Optional[int]:
-        heap, order, pinned = self._heap, self._order, []
-        try:
-            while heap:
-                item = heapq.heappop(heap)
-                key = item[3]
-                if order.get(key) != item[:3]:
-                    continue  # stale: the key was re-ranked or is gone
-                slot = self._ready[key]
-                if slot in self._pins:
-                    pinned.append(item)
-                    continue
-                del self._ready[key]
-                del order[key]
-                del self._key_of[slot]
-                self.evictions += 1
-                return slot
+        ready, pins = self._ready, self._pins
+        key = self.order.pop(skip=lambda k: ready[k] in pins)
+        if key is None:
             return None
-        finally:
-            for item in pinned:
-                heapq.heappush(heap, item)
+        slot = ready.pop(key)
+        del self._key_of[slot]
+        self.evictions += 1
+        return slot
 
     def confirm(self, keys: Sequence[str]) -> None:
         """Every rank wrote these keys: they become readable, ranked as ``reserve`` was told
@@ -199,7 +171,7 @@ class SlotIndex:
             if rank is None:
                 stamp = self.stamp() if stamp is None else stamp
                 rank = (stamp, 0)
-            self._rank(key, *rank)
+            self.order.rank(key, *rank)
 
     def abandon(self, keys: Sequence[str]) -> None:
         """A rank failed to write these keys: their slots are free again."""
@@ -217,8 +189,7 @@ class SlotIndex:
             return False
         self._free.extend(self._ready.values())
         self._ready.clear()
-        self._order.clear()
-        self._heap.clear()
+        self.order.clear()
         self._key_of.clear()
         return True
 
