@@ -63,6 +63,23 @@ def test_eviction_takes_the_least_recent_prefix_from_its_deepest_block():
     assert index.keys()[0] == "new@16" and index.evictions == 2
 
 
+def test_a_prefix_loaded_again_outlives_one_off_prompts_then_ages_out():
+    """GreedyDual with frequency: a key read by loads ranks above keys only written once after
+    it, while the clock (the level of each evicted key) has not passed it."""
+    index = SlotIndex(4)
+    index.reserve(["hot"])
+    index.confirm(["hot"])
+    for _ in range(2):  # two loads of it
+        index.unpin(index.pin(["hot"], index.stamp()))
+    one_offs = [f"once{i}" for i in range(12)]
+    for i, key in enumerate(one_offs):
+        index.reserve([key])
+        index.confirm([key])
+        if i == 3:  # four one-off prompts written after its last load: plain LRU loses it here
+            assert index.exists(["hot", "once0"]) == [True, False]
+    assert index.exists(["hot"]) == [False]  # never read again: it ages out
+
+
 def test_touching_keys_again_and_again_does_not_grow_the_index():
     """Every touch re-ranks a key; the superseded heap entries are dropped once they are most of
     the heap, so an arena that hits often and never fills holds O(keys)."""

@@ -7,9 +7,10 @@ they could be used with). The orders and indexes here hold no bytes themselves (
 arena or Mooncake does), so any of them can sit in front of a real store:
 
 - :class:`PrefixOrder`: the embedded store's eviction order (the arena's ``SlotIndex`` runs
-  it, and the replay's ``kvstride`` policy through :class:`PrefixIndex`): the least recently
-  used request first, its deepest block first, so what stays of a request is a prefix that
-  can still serve a hit at some shorter boundary (SEMANTICS §8).
+  it, and the replay's ``kvstride`` policy through :class:`PrefixIndex`): GreedyDual with
+  frequency, so prefixes loaded again outlive one-off prompts; at one level the least
+  recently used request first, its deepest block first, so what stays of a request is a
+  prefix that can still serve a hit at some shorter boundary (SEMANTICS §8).
 - :class:`LRUIndex`: every value on its own, least recently used evicted first (what ``dense``
   and ``vllm-reachable`` replay with).
 - :class:`BoundaryIndex`: the unit is a *boundary set*: the keys one hit length ``X`` needs in
@@ -37,18 +38,28 @@ Put = Tuple[str, int, str]  # (key, bytes, group kind)
 
 
 class PrefixOrder:
-    """Keys ranked ``(stamp, -depth)``: the lowest goes first. A caller that gives each key the
-    stamp of the newest request that wrote or read it and the tokens its block ends at keeps
-    every request's resident keys a prefix of it; without depths, keys of one stamp leave in
-    the order they were ranked (least recently used first)."""
+    """Keys ranked ``(level, stamp, -depth)``, the lowest evicted first: GreedyDual with
+    frequency over requests' prefixes. A key's ``level`` is the clock when it was last written
+    or read plus ``min(1 + reads, MAX_FREQUENCY)``, the clock rising to each evicted key's
+    level: a prefix loaded again and again outlives one-off prompts written after it, and ages
+    out once the clock passes it. At one level the least recently used request goes first
+    (``stamp``), its deepest block first (``depth``): a caller that gives each key the stamp
+    of the newest request that wrote or read it and the tokens its block ends at keeps every
+    request's resident keys a prefix of it (a load reads a prefix, so a shallower block is
+    never read less often than a deeper one). Without depths, keys of one stamp leave in the
+    order they were ranked."""
+
+    MAX_FREQUENCY = 4
 
     def __init__(self) -> None:
-        # key -> its live heap entry (stamp, -depth, serial); stale entries left in the heap
-        # (re-ranked or forgotten keys) are skipped when popped.
-        self._live: Dict[str, Tuple[int, int, int]] = {}
-        self._heap: List[Tuple[int, int, int, str]] = []
-        self._clock = itertools.count(1)
+        # key -> its live heap entry (level, stamp, -depth, serial); stale entries left in the
+        # heap (re-ranked or forgotten keys) are skipped when popped.
+        self._live: Dict[str, Tuple[int, int, int, int]] = {}
+        self._reads: Dict[str, int] = {}
+        self._heap: List[Tuple[int, int, int, int, str]] = []
+        self._stamps = itertools.count(1)
         self._serial = itertools.count()
+        self.clock = 0
 
     def __len__(self) -> int:
         return len(self._live)
@@ -62,10 +73,11 @@ class PrefixOrder:
 
     def stamp(self) -> int:
         """A stamp newer than every one given so far."""
-        return next(self._clock)
+        return next(self._stamps)
 
     def rank(self, key: str, stamp: int, depth: int = 0) -> None:
-        entry = (stamp, -depth, next(self._serial))
+        level = self.clock + min(1 + self._reads.get(key, 0), self.MAX_FREQUENCY)
+        entry = (level, stamp, -depth, next(self._serial))
         self._live[key] = entry
         heapq.heappush(self._heap, entry + (key,))
         if len(self._heap) > 2 * len(self._live) + 1024:  # mostly stale (touched keys): rebuild
@@ -73,15 +85,17 @@ class PrefixOrder:
             heapq.heapify(self._heap)
 
     def touch(self, keys: Iterable[str], stamp: int) -> None:
-        """Ranked keys used at ``stamp`` (never older than they were), each keeping its depth."""
-        live = self._live
+        """Ranked keys read at ``stamp`` (never older than they were), each keeping its depth."""
+        live, reads = self._live, self._reads
         for key in keys:
             entry = live.get(key)
             if entry is not None:
-                self.rank(key, max(stamp, entry[0]), -entry[1])
+                reads[key] = reads.get(key, 0) + 1
+                self.rank(key, max(stamp, entry[1]), -entry[2])
 
     def forget(self, key: str) -> None:
         del self._live[key]
+        self._reads.pop(key, None)
 
     def ordered(self, keys: Iterable[str]) -> List[str]:
         """``keys`` (all ranked), first to be evicted first."""
@@ -89,18 +103,19 @@ class PrefixOrder:
 
     def pop(self, skip=None) -> Optional[str]:
         """Take the lowest ranked key (passing over those ``skip(key)`` is true for, which keep
-        their rank); None when none is left."""
+        their rank) and raise the clock to its level; None when none is left."""
         heap, live, passed = self._heap, self._live, []
         try:
             while heap:
                 item = heapq.heappop(heap)
-                key = item[3]
-                if live.get(key) != item[:3]:
+                key = item[4]
+                if live.get(key) != item[:4]:
                     continue  # stale: the key was re-ranked or is gone
                 if skip is not None and skip(key):
                     passed.append(item)
                     continue
-                del live[key]
+                self.clock = max(self.clock, item[0])
+                self.forget(key)
                 return key
             return None
         finally:
@@ -109,6 +124,7 @@ class PrefixOrder:
 
     def clear(self) -> None:
         self._live.clear()
+        self._reads.clear()
         self._heap.clear()
 
 

@@ -35,9 +35,10 @@ Policies:
   repeats), the deepest junction with a prefix the index has seen before, and one every 16384
   tokens (two prompts sharing that much meet at one); attention blocks only up to the last of
   them. Eviction: the embedded store's own order (:class:`kvstride.capacity.PrefixOrder`, which
-  the arena's ``SlotIndex`` runs): the least recently used request first, its deepest block
-  first; a request's stamp is taken at its lookup, and its hit's keys and its saves take it,
-  as the connector's loads and saves do.
+  the arena's ``SlotIndex`` runs): GreedyDual with frequency (a key's level is the clock plus
+  how often loads read it, up to 4), at one level the least recently used request first, its
+  deepest block first; a request's stamp is taken at its lookup, and its hit's keys and its
+  saves take it, as the connector's loads and saves do.
 
 Not in ``all``: ``kvstride-admission`` (kvstride's admission with a per-value LRU) and
 ``kvstride-boundary-sets`` (the same admission with :class:`kvstride.capacity.BoundaryIndex`:

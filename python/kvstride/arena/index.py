@@ -37,8 +37,9 @@ class SlotIndex:
     been confirmed by every rank; ``pins`` count the loads in flight per slot.
 
     Eviction takes the ready key first in :class:`kvstride.capacity.PrefixOrder` (the order
-    the replay's ``kvstride`` policy runs too): the least recently used prefix first, and
-    within it the deepest block first. A caller that gives each key the stamp of the request
+    the replay's ``kvstride`` policy runs too): keys read by loads outlive those only written
+    (GreedyDual with frequency); at one level the least recently used prefix first, and within
+    it the deepest block first. A caller that gives each key the stamp of the request
     that wrote or read it and the tokens its block ends at (``ranks``) keeps every request's
     resident keys a prefix of it, so what stays can still serve a hit at some shorter boundary
     (SEMANTICS §8: a block past the last boundary every group can serve is worth nothing).
