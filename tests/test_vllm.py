@@ -139,8 +139,12 @@ def _perturb_group_on_load(monkeypatch, group: int) -> list:
 
 
 # Model, and the group whose loaded blocks are made wrong: a sliding window, a GDN state,
-# a short-conv state, full attention, a sliding window next to MoE and sinks.
-NEGATIVE = [("gemma3", 1), ("qwen3_next", 0), ("lfm2", 0), ("llama", 0), ("gpt_oss", 0)]
+# a short-conv state, full attention, a sliding window next to MoE and sinks, a Mamba-2 state
+# and a sliding window next to Mamba-2.
+NEGATIVE = [
+    ("gemma3", 1), ("qwen3_next", 0), ("lfm2", 0), ("llama", 0), ("gpt_oss", 0), ("nemotron_h_swa", 0),
+    ("nemotron_h_swa", 2),
+]
 
 
 @pytest.mark.parametrize("name,group", NEGATIVE)

@@ -113,6 +113,30 @@ def gpt_oss(path: Path) -> str:
     return _write_model(path, cfg)
 
 
+def nemotron_h_swa(path: Path) -> str:
+    """Mamba-2, sliding-window attention (window 64), Mamba-2, MLP: a window group next to two
+    Mamba groups and no full attention (vLLM forces block 64). ``A_log`` = -4.6 makes the
+    Mamba decay slow, so the state matters 100+ tokens later. Dense retention only: under
+    ``prefix_cache_retention_interval=0`` vLLM 0.32 (CPU) itself decodes token 0 (NaN logits)
+    after P1's 480 tokens (not a multiple of 64), on a fresh engine without a connector."""
+    from transformers import NemotronHConfig
+
+    cfg = NemotronHConfig(
+        layers_block_type=["linear_attention", "full_attention", "linear_attention", "mlp"], sliding_window=64,
+        mamba_num_heads=4, mamba_head_dim=32, n_groups=1, ssm_state_size=16, expand=2, conv_kernel=4,
+        tie_word_embeddings=False, **_COMMON,
+    )
+    cfg.architectures = ["NemotronHForCausalLM"]
+
+    def slow_decay(model):
+        for name, p in model.named_parameters():
+            if name.endswith("A_log"):
+                p.fill_(-4.6)
+
+    # vLLM 0.32 reads the layer pattern under its transformers-4 name.
+    return _write_model(path, cfg, tweak=slow_decay, extra_config={"hybrid_override_pattern": "M*M-"})
+
+
 @dataclass(frozen=True)
 class Model:
     name: str
@@ -137,12 +161,13 @@ MODELS: Dict[str, Model] = {
     "qwen3_next": Model("qwen3_next", qwen3_next, 160, _GDN),
     "lfm2": Model("lfm2", lfm2, 32, _MAMBA),
     "gpt_oss": Model("gpt_oss", gpt_oss, 32),
+    "nemotron_h_swa": Model("nemotron_h_swa", nemotron_h_swa, 64, _MAMBA),
 }
 
 #: The external hit vLLM's MooncakeStoreConnector reaches under these settings for P2 (sharing
 #: 384 of 480 tokens), measured by benches/vllm_connectors.py: 384, but 320 on Qwen3-Next, whose
 #: 160-token blocks put the boundary below 384 at 320.
-PEER_HITS = {"llama": 384, "gemma3": 384, "qwen3_next": 320, "lfm2": 384, "gpt_oss": 384}
+PEER_HITS = {"llama": 384, "gemma3": 384, "qwen3_next": 320, "lfm2": 384, "gpt_oss": 384, "nemotron_h_swa": 384}
 
 
 def prompts() -> Tuple[List[int], List[int]]:
