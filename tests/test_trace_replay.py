@@ -156,6 +156,24 @@ def test_periodic_checkpoints_serve_the_first_reuse_of_a_prefix(toy):
     assert run(toy, trace, "kvstride", checkpoints="hedge,junction,every:1024")[1] == [1024]
 
 
+def test_decode_states_let_the_next_turn_hit_past_the_previous_prompt(toy):
+    """The next turn extends the prompt (1536 tokens) and its 600-token output. Without the
+    decode's states it hits at most the prompt's end; with them (``decode_states``) at the
+    output's last boundary (2048), for dense and kvstride; vLLM 0.33's rule keeps none."""
+    first = TraceRequest(1536, [1, 2, 3], output_length=600)
+    trace = [first, req([1, 2, 3, 4, 5])]
+    assert run(toy, trace, "dense")[1] == [1536]
+    assert run(toy, trace, "kvstride")[1] == [1024]  # the hedge, 512 before the prompt's end
+    for policy in ("dense", "kvstride", "kvstride-boundary-sets"):
+        result, hits = run(toy, trace, policy, decode_states=True)
+        assert hits == [2048] and result["decode_checkpoints"] == 1, policy
+    assert run(toy, trace, "vllm-reachable", decode_states=True)[1] == run(toy, trace, "vllm-reachable")[1]
+    # A shorter request sharing the prompt is not its next turn: nothing is written for it.
+    sibling = [first, req([1, 2, 3, 9]), req([1, 2, 3, 4, 5])]
+    result, hits = run(toy, sibling, "kvstride", decode_states=True)
+    assert hits[-1] == 2048 and result["decode_checkpoints"] == 1
+
+
 def test_capacity_pressure_dense_evicts_kvstride_keeps(toy):
     # dense writes 4 x 10 + 4 x 30 = 160 per 4-block prompt, kvstride 3 x 10 + 1 state = 60.
     trace = [req([1, 2, 3, 4]), req([10, 11, 12, 13]), req([1, 2, 3, 4])]
@@ -317,3 +335,35 @@ def test_cli_table_and_plot(tmp_path):
     text = out.getvalue()
     assert "kvstride" in text and "hit rate" in text and "hits every group could not serve: 0" in text
     assert png.stat().st_size > 1000
+
+
+def test_conversation_trace_turns_extend_the_previous_prompt_and_output(tmp_path):
+    """scripts/conversation_trace.py: each turn of a session keeps every whole block of the
+    previous prompt and is at least the previous prompt and its output long; replayed with
+    decode states, next turns hit past the previous prompts."""
+    import importlib.util
+    from pathlib import Path
+
+    script = Path(__file__).parent.parent / "scripts" / "conversation_trace.py"
+    spec = importlib.util.spec_from_file_location("conversation_trace", script)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    session = module.conversation_trace(sessions=1, mean_turns=8.0, seed=1)
+    assert len(session) > 2
+    for prev, turn in zip(session, session[1:]):
+        whole = prev["input_length"] // 512
+        assert turn["hash_ids"][:whole] == prev["hash_ids"][:whole]
+        assert set(turn["hash_ids"][whole:]).isdisjoint(prev["hash_ids"])
+        assert turn["input_length"] >= prev["input_length"] + prev["output_length"]
+        assert turn["timestamp"] > prev["timestamp"]
+    requests = module.conversation_trace(sessions=40, seed=3)
+    assert requests == sorted(requests, key=lambda r: r["timestamp"])
+    assert all(len(r["hash_ids"]) == -(-r["input_length"] // 512) for r in requests)
+    path = tmp_path / "conv.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in requests))
+    model = load_model("qwen3-next-80b")
+    rp = TraceReplay(model)
+    trace = read_trace(str(path))
+    plain = rp.run(trace, ReplayConfig(model, 1 << 44, "kvstride"))
+    turns = rp.run(trace, ReplayConfig(model, 1 << 44, "kvstride", decode_states=True))
+    assert turns["decode_checkpoints"] > 0 and turns["hit_tokens"] > plain["hit_tokens"]

@@ -250,6 +250,7 @@ def simulate_trace(args) -> int:
             limit=args.limit,
             hedge_tokens=args.hedge_tokens,
             checkpoints=args.checkpoints,
+            decode_states=args.decode_states,
         )
     except (OSError, ValueError) as err:
         print(f"kvstride simulate --trace: {err}", file=sys.stderr)
@@ -525,6 +526,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="with --trace, kvstride policy: where states are checkpointed, comma list of end (the "
         "prompt end), hedge (the last boundary --hedge-tokens before it), junction (the deepest "
         "prefix seen before), every:T (every T tokens)",
+    )
+    sim.add_argument(
+        "--decode-states",
+        action="store_true",
+        help="with --trace: model a vLLM that hands off the state at each request's decode end, so a "
+        "next turn can hit past the previous prompt (vLLM 0.32 and 0.33 hand off none)",
     )
     sim.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     sim.add_argument("--plot", metavar="FILE.png", help="draw hit rate and throughput per turn")

@@ -44,6 +44,16 @@ Not in ``all``: ``kvstride-admission`` (kvstride's admission with a per-value LR
 ``kvstride-boundary-sets`` (the same admission with :class:`kvstride.capacity.BoundaryIndex`:
 reference-counted boundary sets, lowest priority first: recency, reuse, prefill tokens saved
 per byte), ablations of the eviction; the connector runs neither.
+
+The next chat turn (``decode_states``, ``--decode-states``): vLLM 0.32 and 0.33 hand off no
+decode-phase Mamba/GDN state (v1/core/single_type_kv_cache_manager.py:1533-1590, 1931,
+1996-2008, 2066-2086 and kv_cache_coordinator.py:65-86 in 0.32), so a next turn hits at most up
+to the previous prompt's checkpoints, with kvstride as with vLLM's own cache. The option models
+a vLLM that hands off what a hit at each request's decode end needs (prompt + output tokens,
+floored to the alignment). A trace carries no output tokens: a later request that passes
+through all of an earlier prompt's full trace blocks and is at least that prompt and its output
+long is taken as its next turn, and the earlier request's decode checkpoint is written then,
+with its stamp (``decode_checkpoints`` counts them).
 """
 
 from __future__ import annotations
@@ -229,6 +239,11 @@ class ReplayConfig:
     # prefix_cache_retention_interval: two prompts sharing a prefix of T tokens or more meet
     # at one).
     checkpoints: str = "hedge,junction,every:16384"
+    # Model a vLLM that hands off what a hit at the end of each request's decode needs (the
+    # state at prompt + output tokens, floored to the alignment): vLLM 0.32 and 0.33 hand off
+    # no decode-phase Mamba state (module docstring). dense keeps every block boundary of the
+    # decode, the kvstride policies its end; vllm-reachable's rule keeps none.
+    decode_states: bool = False
     check_servable: bool = True
     progress: bool = False
     # Called as on_hit(replay, index, hashes, hit) for every reported hit (tests check it
@@ -353,7 +368,12 @@ class TraceReplay:
         else:
             index = PrefixIndex(cfg.capacity_bytes) if prefix_index else LRUIndex(cfg.capacity_bytes)
         self.ghost = index.ghost if boundary_index else Ghost()
-        stats = dict(requests=0, prompt_tokens=0, hit_tokens=0, unservable_hits=0, hits=0, truncated_inputs=0)
+        stats = dict(requests=0, prompt_tokens=0, hit_tokens=0, unservable_hits=0, hits=0, truncated_inputs=0,
+                     decode_checkpoints=0)
+        # decode_states: requests whose next turn has not come yet, by the trie node of their
+        # prompt's last full trace block: (prompt tokens, output tokens, stamp, tokens stored).
+        awaiting_next_turn: Dict[int, List[Tuple[int, int, Optional[int], int]]] = {}
+        keeps_decode = cfg.decode_states and cfg.policy != "vllm-reachable"
         progress = None
         if cfg.progress:
             try:
@@ -373,6 +393,8 @@ class TraceReplay:
             stats["requests"] += 1
             stats["prompt_tokens"] += n
             stamp = index.stamp() if prefix_index else None  # the connector's: one per request
+            if awaiting_next_turn and hashes:
+                stats["decode_checkpoints"] += self._save_decode_ends(cfg, index, awaiting_next_turn, req, nodes, hashes)
             hit = 0
             if hashes:
                 n_look = self._lookup_tokens(nodes, n)
@@ -398,7 +420,10 @@ class TraceReplay:
                         index.touch(got)
             stats["hit_tokens"] += hit
             if hashes:
-                self._save(cfg, index, nodes, hashes, n, hit, stamp)
+                stored = self._save(cfg, index, nodes, hashes, n, hit, stamp)
+                if keeps_decode and n >= TRACE_BLOCK and req.output_length > 0:
+                    last_full = nodes[n // TRACE_BLOCK - 1]
+                    awaiting_next_turn.setdefault(last_full, []).append((n, req.output_length, stamp, stored))
             if progress is not None:
                 progress.update(1)
         if progress is not None:
@@ -427,18 +452,53 @@ class TraceReplay:
             "resident_bytes": index.used,
             "resident_bytes_by_kind": resident,
             "truncated_inputs": stats["truncated_inputs"],
+            "decode_checkpoints": stats["decode_checkpoints"],
             "seconds": seconds,
         }
 
+    def _save_decode_ends(self, cfg: ReplayConfig, index, awaiting: Dict[int, List[Tuple[int, int, Optional[int], int]]],
+                          req: TraceRequest, nodes: List[int], hashes: List[bytes]) -> int:
+        """``decode_states``: the decode-end checkpoints of the earlier requests ``req`` is the
+        next turn of, written now that their tokens are known. A trace does not carry output
+        tokens, so a request that passes through all of an earlier prompt's full trace blocks
+        and is at least that prompt and its output long is taken as its next turn (the first
+        such request; the trace's output tokens are those of this request). Each is written as
+        the earlier request would have (its stamp, from where its prompt's save ended). Returns
+        how many."""
+        written = 0
+        for node in nodes:
+            waiting = awaiting.get(node)
+            if not waiting:
+                continue
+            left = []
+            for n, output, stamp, stored in waiting:
+                x = (n + output) // self.a * self.a
+                if req.input_length >= n + output and n < x <= len(hashes) * self.h:
+                    self._save(cfg, index, nodes, hashes, x, stored, stamp, decode_end=True)
+                    written += 1
+                elif req.input_length < n + output:
+                    left.append((n, output, stamp, stored))  # not its next turn: wait for another
+            if left:
+                awaiting[node] = left
+            else:
+                del awaiting[node]
+        return written
+
     def _save(self, cfg: ReplayConfig, index, nodes: List[int], hashes: List[bytes], n: int, hit: int,
-              stamp: Optional[int]) -> None:
+              stamp: Optional[int], decode_end: bool = False) -> int:
+        """Write what the policy keeps of a request of ``n`` tokens that hit ``hit`` (or, with
+        ``decode_end``, of its decode, from ``hit``, what its prompt's save stored, to ``n``);
+        returns the tokens stored from the start (the attention blocks' end)."""
         planner, a, s, h = self.planner, self.a, self.s, self.h
         groups, bpb = self.groups, self.model.bytes_per_block
         full = len(hashes) * h  # tokens with hashes
         offset = hit // s * s
         policy = cfg.policy
         # Boundaries whose hit sets this request writes.
-        if policy == "dense":
+        if decode_end:  # dense: every block boundary the decode crossed; the others: its end
+            bounds = list(range((offset // s + 1) * s, n + 1, s)) if policy == "dense" else [n]
+            end = n
+        elif policy == "dense":
             bounds = list(range((offset // s + 1) * s, n // s * s + 1, s))
             end = n // s * s
         elif policy == "vllm-reachable":
@@ -481,7 +541,7 @@ class TraceReplay:
             ghost.remember(aligned)
             end = max(bounds) if bounds else 0
         if not bounds and policy != "dense":
-            return
+            return offset
         touched = self.trie.touched
         # Attention and window blocks: the core's normal save from the saved offset.
         tables = [list(range(1, -(-max(end, 1) // self.block[g]) + 2)) for g in range(len(groups))]
@@ -505,16 +565,17 @@ class TraceReplay:
             touched[nodes[d]] = True
         if policy == "kvstride":
             index.put_many([(key, nb, kind, stamp, depth) for key, nb, kind, depth in puts])
-            return
+            return max(end, offset)
         if policy != "kvstride-boundary-sets":
             index.put_many([put[:3] for put in puts])
-            return
+            return max(end, offset)
         # One boundary set per boundary: every key a hit there loads (the core's load plan:
         # attention blocks up to it, the window tail, the state).
         sizes = [(bpb[g], groups[g].kind) for g in range(len(groups))]
         for x in bounds:
             gets = planner.plan_load(hashes, tables, x).gets
             index.put_boundary(hashes[x // h - 1], [(key, *sizes[g]) for key, g, _block in gets], float(x))
+        return max(end, offset)
 
 
 def replay(trace: Sequence[TraceRequest], model: ModelGeometry, capacities: Sequence[int],
