@@ -117,16 +117,16 @@ def test_repeated_prompt_hits_one_alignment_below_its_end(toy):
 def test_next_turn_hits_the_previous_prompt_end(toy):
     trace = [req([1, 2, 3]), req([1, 2, 3, 4])]
     assert run(toy, trace, "dense")[1] == [1536]
-    assert run(toy, trace, "kvstride", checkpoints="end,hedge,junction")[1] == [1536]
-    # By default kvstride checkpoints the last boundary 512 tokens before the prompt end.
-    assert run(toy, trace, "kvstride")[1] == [1024]
+    assert run(toy, trace, "kvstride")[1] == [1536]  # the connector's rule keeps the prompt's end
+    assert run(toy, trace, "kvstride", checkpoints="hedge,junction")[1] == [1024]
     # vLLM 0.33 keeps the state at num_prompt_tokens - 1, floored to the alignment.
     assert run(toy, trace, "vllm-reachable")[1] == [1024]
 
 
 def test_hedge_serves_a_next_turn_that_rewrites_the_prompt_tail(tmp_path):
-    """384-token blocks: the prompt-end state (1536) lies past the 1024 tokens the next turn
-    shares; the hedge (the last boundary 512 tokens before the end, 768) serves it."""
+    """384-token blocks: the prompt-end state (1536) and the resend boundary (1152) lie past the
+    1024 tokens a next turn that rewrites the prompt's last trace block shares: the connector's
+    rule misses it; the hedge (the last boundary 512 tokens before the end, 768) serves it."""
     path = tmp_path / "m.json"
     geometry = json.loads(json.dumps(TOY))
     for g in geometry["groups"]:
@@ -136,7 +136,8 @@ def test_hedge_serves_a_next_turn_that_rewrites_the_prompt_tail(tmp_path):
     trace = [req([1, 2, 3]), req([1, 2, 4, 5])]
     assert run(model, trace, "dense")[1] == [768]
     assert run(model, trace, "kvstride", checkpoints="end")[1] == []
-    assert run(model, trace, "kvstride")[1] == [768]
+    assert run(model, trace, "kvstride")[1] == []
+    assert run(model, trace, "kvstride", checkpoints="hedge")[1] == [768]
 
 
 def test_shared_prefix_junction_is_kept_once_seen(toy):
@@ -163,7 +164,7 @@ def test_decode_states_let_the_next_turn_hit_past_the_previous_prompt(toy):
     first = TraceRequest(1536, [1, 2, 3], output_length=600)
     trace = [first, req([1, 2, 3, 4, 5])]
     assert run(toy, trace, "dense")[1] == [1536]
-    assert run(toy, trace, "kvstride")[1] == [1024]  # the hedge, 512 before the prompt's end
+    assert run(toy, trace, "kvstride")[1] == [1536]
     for policy in ("dense", "kvstride", "kvstride-boundary-sets"):
         result, hits = run(toy, trace, policy, decode_states=True)
         assert hits == [2048] and result["decode_checkpoints"] == 1, policy
@@ -175,15 +176,15 @@ def test_decode_states_let_the_next_turn_hit_past_the_previous_prompt(toy):
 
 
 def test_capacity_pressure_dense_evicts_kvstride_keeps(toy):
-    # dense writes 4 x 10 + 4 x 30 = 160 per 4-block prompt, kvstride 3 x 10 + 1 state = 60.
+    # dense writes 4 x 10 + 4 x 30 = 160 per 4-block prompt, kvstride 4 x 10 + 2 states (the
+    # prompt's end and resend boundaries, 2048 and 1536) = 100.
     trace = [req([1, 2, 3, 4]), req([10, 11, 12, 13]), req([1, 2, 3, 4])]
     dense, dense_hits = run(toy, trace, "dense", capacity=250)
     ks, ks_hits = run(toy, trace, "kvstride", capacity=250)
     assert dense_hits == [] and dense["evictions"] > 0
     assert ks_hits == [1536]
     assert ks["resident_bytes"] <= 250 and dense["resident_bytes"] <= 250
-    # the third request also checkpoints its whole prompt, a junction seen before (2048)
-    assert ks["resident_bytes_by_kind"] == {"full_attention": 70, "mamba": 90}
+    assert ks["resident_bytes_by_kind"] == {"full_attention": 80, "mamba": 120}
 
 
 def test_kvstride_evicts_the_least_recent_request_from_its_deepest_boundary(toy):

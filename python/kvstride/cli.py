@@ -250,6 +250,7 @@ def simulate_trace(args) -> int:
             limit=args.limit,
             hedge_tokens=args.hedge_tokens,
             checkpoints=args.checkpoints,
+            retention_interval=args.retention_interval,
             decode_states=args.decode_states,
         )
     except (OSError, ValueError) as err:
@@ -515,17 +516,24 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sim.add_argument("--limit", type=int, default=None, help="with --trace: replay only the first N requests")
     sim.add_argument(
+        "--checkpoints",
+        default="connector",
+        help="with --trace, kvstride policies: where states are checkpointed: connector (the connector's "
+        "own rule, default), or a comma list of end (the prompt end), hedge (the last boundary "
+        "--hedge-tokens before it), junction (the deepest prefix seen before), every:T (every T tokens)",
+    )
+    sim.add_argument(
+        "--retention-interval",
+        type=int,
+        default=16384,
+        help="with --trace, --checkpoints connector: vLLM's prefix_cache_retention_interval (periodic "
+        "checkpoints every this many tokens; 0: none, vLLM's default)",
+    )
+    sim.add_argument(
         "--hedge-tokens",
         type=int,
         default=512,
-        help="with --trace, kvstride policy: also checkpoint the last boundary this many tokens before the prompt end",
-    )
-    sim.add_argument(
-        "--checkpoints",
-        default="hedge,junction,every:16384",
-        help="with --trace, kvstride policy: where states are checkpointed, comma list of end (the "
-        "prompt end), hedge (the last boundary --hedge-tokens before it), junction (the deepest "
-        "prefix seen before), every:T (every T tokens)",
+        help="with --trace, --checkpoints hedge: the last boundary this many tokens before the prompt end",
     )
     sim.add_argument(
         "--decode-states",

@@ -29,12 +29,13 @@ Policies:
   Mamba), the boundaries being ``num_prompt_tokens - 1`` and the request's
   ``shared_prefix_boundary`` (offloading/scheduler.py:1853-1857), each floored to the alignment
   (the full-attention chunk, scheduler.py:196-204); one LRU over values.
-- ``kvstride``: admission: state checkpoints (and window tails) only at boundaries that can hit:
-  the last boundary ``hedge_tokens`` (512) before the prompt end (the next turn of a chat
-  re-renders the prompt's tail; in a Mooncake trace its last, partial 512-token block never
-  repeats), the deepest junction with a prefix the index has seen before, and one every 16384
-  tokens (two prompts sharing that much meet at one); attention blocks only up to the last of
-  them. Eviction: the embedded store's own order (:class:`kvstride.capacity.PrefixOrder`, which
+- ``kvstride``: admission: the connector's rule (``KeyPlanner.hit_boundaries``, SEMANTICS §8):
+  state checkpoints (and window tails) only at boundaries that can hit: the prompt's end and its
+  resend boundary, vLLM's periodic checkpoints (``retention_interval``, 16384 tokens: two
+  prompts sharing that much meet at one) and the deepest junction with a prefix seen before
+  (boundary hashes the replay remembers, as the connector's scheduler does). A trace's partial
+  last 512-token block never repeats, so the rule runs on the prompt's whole trace blocks: what
+  a later request can share. Attention blocks only up to the last boundary. Eviction: the embedded store's own order (:class:`kvstride.capacity.PrefixOrder`, which
   the arena's ``SlotIndex`` runs): GreedyDual with frequency (a key's level is the clock plus
   how often loads read it, up to 4), at one level the least recently used request first, its
   deepest block first; a request's stamp is taken at its lookup, and its hit's keys and its
@@ -233,12 +234,16 @@ class ReplayConfig:
     policy: str = "kvstride"
     algo: str = "sha256_cbor"
     seed: int = 0
-    hedge_tokens: int = TRACE_BLOCK  # kvstride: also keep the last boundary this far before the prompt end
-    # kvstride: which boundaries get a checkpoint: the prompt "end", the "hedge" before it,
-    # the "junction" with a prefix seen before, "every:T" tokens (periodic, as vLLM's
-    # prefix_cache_retention_interval: two prompts sharing a prefix of T tokens or more meet
-    # at one).
-    checkpoints: str = "hedge,junction,every:16384"
+    # kvstride: which boundaries get a checkpoint. "connector": the connector's own rule
+    # (KeyPlanner.hit_boundaries, SEMANTICS §8: the prompt's end and resend boundary, vLLM's
+    # periodic checkpoints every ``retention_interval`` tokens, the deepest junction with a
+    # prefix seen before), over the tokens a later request of the trace can share: the prompt's
+    # whole 512-token trace blocks (a partial last block's id never repeats). Or, to weigh its
+    # parts, a comma list of the prompt "end", the "hedge" (the last boundary ``hedge_tokens``
+    # before the prompt end), the "junction", "every:T" tokens.
+    checkpoints: str = "connector"
+    retention_interval: Optional[int] = 16384  # vLLM's prefix_cache_retention_interval ("connector")
+    hedge_tokens: int = TRACE_BLOCK
     # Model a vLLM that hands off what a hit at the end of each request's decode needs (the
     # state at prompt + output tokens, floored to the alignment): vLLM 0.32 and 0.33 hand off
     # no decode-phase Mamba state (module docstring). dense keeps every block boundary of the
@@ -508,6 +513,15 @@ class TraceReplay:
                 cand.append(min(junction, n - 1) // a * a)
             bounds = sorted({x for x in cand if x > hit and x <= full})
             end = n // s * s
+        elif cfg.checkpoints == "connector":
+            shareable = min(n // TRACE_BLOCK * TRACE_BLOCK, full)
+            marks = planner.boundary_hashes(hashes, shareable)
+            ghost = self.ghost
+            seen = [ghost.seen(mark) for mark in marks]
+            ghost.remember(marks)
+            admitted = planner.hit_boundaries(shareable, retention_interval=cfg.retention_interval, seen=seen) or []
+            bounds = [x for x in admitted if x > hit]
+            end = max(bounds) if bounds else 0
         else:
             p = n // a * a
             which = cfg.checkpoints.split(",")
