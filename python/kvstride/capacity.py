@@ -22,7 +22,7 @@ arena or Mooncake does), so any of them can sit in front of a real store:
   where ``w`` = prefill tokens a hit at the boundary saves per byte the set added; the clock
   rises to each evicted priority, so recency, reuse and work saved per byte are weighed
   together (``value_weight`` 0 is LRU with frequency over boundary sets). The replay's
-  ``kvstride-boundary-sets`` policy runs it; the connector does not (yet).
+  ``kvstride-boundary-sets`` policy runs it; the connector does not.
 
 All indexes keep counts of the bytes resident by group kind and the bytes written.
 """

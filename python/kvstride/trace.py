@@ -14,8 +14,8 @@ existence call against the index, the longest joint hit (``longest_hit_bitmap``)
 of that hit (``plan_load``; every key it gets is checked present: a reported hit every group
 can serve), then the policy's saves (``plan_save`` for attention and window blocks, window
 blocks only for the chosen boundaries' tails (SEMANTICS §8, ``plan_save(boundaries=...)``),
-``KeyPlanner.key`` of the boundary hash for state checkpoints) into the index; a ``kvstride``
-boundary set is the keys of the core's load plan of a hit there.
+``KeyPlanner.key`` of the boundary hash for state checkpoints) into the index; a
+``kvstride-boundary-sets`` boundary set is the keys of the core's load plan of a hit there.
 
 Policies:
 
