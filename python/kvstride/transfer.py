@@ -312,7 +312,7 @@ class Transfer:
         # Per group: per piece, (view over all blocks as (num_blocks, size/w), dtype, w)
         self._views = [[self._piece_view(p, g.num_blocks) for p in g.pieces] for g in layout.groups]
         self._pool_views: dict = {}
-        self._pieces = PieceTable(layout)  # for the CPU copies
+        self._pieces = None if self.cuda else PieceTable(layout)  # the CPU copies' rows
 
     def _flat(self, storage: int, dtype, w: int) -> torch.Tensor:
         key = (storage, w)
