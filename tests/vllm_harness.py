@@ -68,6 +68,14 @@ def gemma3(path: Path) -> str:
     return _write_model(path, cfg)
 
 
+def _slow_decay(model) -> None:
+    """``A_log`` = -4.6 in every Mamba/GDN layer: a slow decay, so the state matters 100+ tokens
+    later."""
+    for name, p in model.named_parameters():
+        if name.endswith("A_log"):
+            p.fill_(-4.6)
+
+
 def qwen3_next(path: Path) -> str:
     """3 Gated-DeltaNet layers + 1 full-attention layer (vLLM forces block 160). ``A_log`` =
     -4.6 makes the GDN decay slow, so the state matters 100+ tokens later."""
@@ -80,13 +88,7 @@ def qwen3_next(path: Path) -> str:
         decoder_sparse_step=1, tie_word_embeddings=False, **_COMMON,
     )
     cfg.architectures = ["Qwen3NextForCausalLM"]
-
-    def slow_decay(model):
-        for name, p in model.named_parameters():
-            if name.endswith("A_log"):
-                p.fill_(-4.6)
-
-    return _write_model(path, cfg, tweak=slow_decay)
+    return _write_model(path, cfg, tweak=_slow_decay)
 
 
 def lfm2(path: Path) -> str:
@@ -127,14 +129,8 @@ def nemotron_h_swa(path: Path) -> str:
         tie_word_embeddings=False, **_COMMON,
     )
     cfg.architectures = ["NemotronHForCausalLM"]
-
-    def slow_decay(model):
-        for name, p in model.named_parameters():
-            if name.endswith("A_log"):
-                p.fill_(-4.6)
-
     # vLLM 0.32 reads the layer pattern under its transformers-4 name.
-    return _write_model(path, cfg, tweak=slow_decay, extra_config={"hybrid_override_pattern": "M*M-"})
+    return _write_model(path, cfg, tweak=_slow_decay, extra_config={"hybrid_override_pattern": "M*M-"})
 
 
 @dataclass(frozen=True)
