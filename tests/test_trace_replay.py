@@ -306,6 +306,32 @@ def test_cli_json_fields(tmp_path):
     assert big["dense"]["hit_tokens"] == 5 * 1024  # requests 2..6 hit the two shared blocks
 
 
+def test_cli_replay_options_reach_the_replay(tmp_path):
+    """--decode-states, --checkpoints and --retention-interval change what the replay keeps."""
+    model = tmp_path / "toy.json"
+    model.write_text(json.dumps(TOY))
+    trace = tmp_path / "trace.jsonl"
+    rows = [{"timestamp": 0, "input_length": 1536, "output_length": 600, "hash_ids": [1, 2, 3]},
+            {"timestamp": 1, "input_length": 2560, "output_length": 5, "hash_ids": [1, 2, 3, 4, 5]},
+            {"timestamp": 2, "input_length": 2560, "output_length": 5, "hash_ids": [1, 2, 6, 7, 8]}]
+    trace.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+
+    def replay(*options):
+        out = io.StringIO()
+        with redirect_stdout(out):
+            assert main(["simulate", "--trace", str(trace), "--model", str(model), "--capacity", "1G",
+                         "--json", *options]) == 0
+        return json.loads(out.getvalue())
+
+    plain = replay()
+    assert plain["hit_tokens"] == 1536 + 1024 and plain["decode_checkpoints"] == 0
+    turns = replay("--decode-states")
+    assert turns["hit_tokens"] == 2048 + 1024 and turns["decode_checkpoints"] == 1
+    assert replay("--checkpoints", "hedge")["hit_tokens"] == 1024 + 1024  # the hedge at 1024, twice
+    periodic = replay("--retention-interval", "512")  # a state at every block: more bytes, the same hits
+    assert periodic["hit_tokens"] == plain["hit_tokens"] and periodic["bytes_written"] > plain["bytes_written"]
+
+
 def test_shipped_models_and_sizes():
     assert {"qwen3-next-80b", "gemma-3-27b", "gpt-oss-120b", "nemotron-h"} <= set(list_models())
     q = load_model("qwen3-next-80b")
