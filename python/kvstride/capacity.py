@@ -61,12 +61,6 @@ class PrefixOrder:
         self._serial = itertools.count()
         self.clock = 0
 
-    def __len__(self) -> int:
-        return len(self._live)
-
-    def __contains__(self, key: str) -> bool:
-        return key in self._live
-
     @property
     def heap_entries(self) -> int:
         return len(self._heap)
