@@ -830,9 +830,17 @@ impl KeyPlanner {
         let has = |g: usize, index: u64| -> bool {
             present[g].get(index as usize).copied().unwrap_or(false)
         };
-        // For full-attention kinds: how many leading blocks have their end key present.
+        // For full-attention kinds: how many leading blocks have their end key present (0 for
+        // the other groups, whose blocks may be smaller than a hash block: a scratch ring).
+        let full_like = |g: usize| {
+            let kind = self.groups[g].kind;
+            self.active(g) && kind != GroupKind::Mamba && !kind.is_window()
+        };
         let leading_full: Vec<u64> = (0..self.groups.len())
             .map(|g| {
+                if !full_like(g) {
+                    return 0;
+                }
                 let b_g = self.effective[g];
                 let mut blocks = 0;
                 while (blocks + 1) * b_g <= limit && has(g, (blocks + 1) * b_g / self.h - 1) {
