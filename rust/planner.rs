@@ -884,6 +884,37 @@ impl KeyPlanner {
         hit_tokens / self.s * self.s
     }
 
+    /// §7: the blocks of group `g` a load of a hit of `hit` tokens reads from the scheduler
+    /// block `start` (a multiple of S) on; `hit > start`.
+    fn load_blocks(&self, g: usize, start: u64, hit: u64) -> std::ops::Range<u64> {
+        let b_g = self.effective[g];
+        let kind = self.groups[g].kind;
+        let first = start / b_g;
+        if kind == GroupKind::Mamba {
+            cdiv(hit, b_g) - 1..cdiv(hit, b_g)
+        } else if kind.is_window() {
+            let needed = self.needed_blocks(g, hit);
+            needed.start.max(first)..needed.end
+        } else {
+            first..cdiv(hit, b_g)
+        }
+    }
+
+    /// §7: per group, how many values a load of a hit of `hit` tokens reads with nothing
+    /// local: the hit's boundary set, what the store must hold for it (0 where the group
+    /// takes no part, and in every group for a hit of 0).
+    pub fn hit_set_blocks(&self, hit: u64) -> Vec<u64> {
+        (0..self.groups.len())
+            .map(|g| match hit > 0 && self.active(g) {
+                true => {
+                    let blocks = self.load_blocks(g, 0, hit);
+                    blocks.end.saturating_sub(blocks.start)
+                }
+                false => 0,
+            })
+            .collect()
+    }
+
     /// §7: what to get, into which destination blocks, for a hit of `hit` tokens over a
     /// local prefix of `local_tokens`.
     pub fn plan_load<H: AsRef<[u8]>>(
@@ -911,18 +942,8 @@ impl KeyPlanner {
         let mut missing = Vec::new();
         if hit > start {
             for g in (0..self.groups.len()).filter(|&g| self.active(g)) {
-                let b_g = self.effective[g];
                 let kind = self.groups[g].kind;
-                let first = start / b_g;
-                let blocks = if kind == GroupKind::Mamba {
-                    cdiv(hit, b_g) - 1..cdiv(hit, b_g)
-                } else if kind.is_window() {
-                    let needed = self.needed_blocks(g, hit);
-                    needed.start.max(first)..needed.end
-                } else {
-                    first..cdiv(hit, b_g)
-                };
-                for b in blocks {
+                for b in self.load_blocks(g, start, hit) {
                     let index = if kind == GroupKind::Mamba {
                         (hit / self.h - 1) as usize
                     } else {

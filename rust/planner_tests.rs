@@ -573,6 +573,13 @@ proptest! {
         assert_unique(&load.gets);
         prop_assert!(load.missing.is_empty());
         prop_assert!(load.gets.iter().all(|t| store.contains(&t.key)), "a get outside the store");
+        // The boundary set's size per group is what a load from nothing reads.
+        let from_nothing = p.plan_load(&hashes, &full_tables(&p, num_hashes), hit, 0).unwrap();
+        let mut per_group = vec![0u64; p.groups().len()];
+        for t in &from_nothing.gets {
+            per_group[t.group] += 1;
+        }
+        prop_assert_eq!(p.hit_set_blocks(hit), per_group);
     }
 
     /// A save planned from the inputs' tail (`plan_save_from` at any base up to `save_base`)

@@ -239,6 +239,12 @@ def check_plans_agree(sc, data):
         x = outcome(lambda p: load_tuple(p.plan_load(h, tables, m, local_tokens=c)), core)
         y = outcome(lambda p: load_tuple(p.plan_load(h, tables, m, local_tokens=c)), twin)
         assert x == y, ("plan_load", m, c, x, y)
+        # A hit's boundary set: per group, what a load of it from nothing reads.
+        whole = core.plan_load(h, tables, m)
+        per_group = [0] * len(core.hashes_per_block)
+        for g in [get[1] for get in whole.gets] + [miss[0] for miss in whole.missing]:
+            per_group[g] += 1
+        assert list(core.hit_set_blocks(m)) == twin.hit_set_blocks(m) == per_group, ("hit_set_blocks", m)
     bad_m = data.draw(st.integers(0, len(h) * H + 3 * a_))
     x = outcome(lambda p: load_tuple(p.plan_load(h, tables, bad_m)), core)
     y = outcome(lambda p: load_tuple(p.plan_load(h, tables, bad_m)), twin)

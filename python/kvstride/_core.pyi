@@ -188,6 +188,9 @@ class KeyPlanner:
         *,
         local_tokens: int = 0,
     ) -> LoadPlan: ...
+    def hit_set_blocks(self, hit_tokens: int) -> List[int]:
+        """Per group, how many values a load of a hit of ``hit_tokens`` reads with nothing
+        local (the hit's boundary set; 0 where the group takes no part)."""
     def saved_offset_after_load(self, hit_tokens: int) -> int:
         """A request's saved offset once a load of ``hit_tokens`` completed:
         ``hit_tokens // S * S`` (its saves start there)."""

@@ -1352,6 +1352,24 @@ class KeyPlanner:
         S = self.scheduler_block_size
         return _non_negative_int("hit_tokens", hit_tokens) // S * S
 
+    def hit_set_blocks(self, hit_tokens: int) -> List[int]:
+        """Per group, how many values a load of a hit of ``hit_tokens`` reads with nothing
+        local: the hit's boundary set, what the store must hold for it (0 where the group takes
+        no part, and everywhere for a hit of 0). The sizes of ``plan_load``'s gets from 0."""
+        m = _non_negative_int("hit_tokens", hit_tokens)
+        out = []
+        for g, spec in enumerate(self._groups):
+            B = self._sizes[g]
+            if m == 0 or not self._participates(g):
+                out.append(0)
+            elif spec.kind == "mamba":
+                out.append(1)  # the state at m
+            elif spec.kind in WINDOW_KINDS:
+                out.append(len(_needed(spec, B, m)))  # the window's tail before m
+            else:
+                out.append(_cdiv(m, B))  # every block up to the one holding m
+        return out
+
     def plan_load(
         self,
         block_hashes: Sequence[bytes],

@@ -411,6 +411,11 @@ impl KeyPlanner {
         })
     }
 
+    /// §7: per group, the values a hit of `hit_tokens` loads with nothing local.
+    fn hit_set_blocks(&self, hit_tokens: i64) -> PyResult<Vec<u64>> {
+        Ok(self.inner.hit_set_blocks(non_negative("hit_tokens", hit_tokens)?))
+    }
+
     fn saved_offset_after_load(&self, hit_tokens: i64) -> PyResult<u64> {
         Ok(self
             .inner
