@@ -7,7 +7,9 @@ import numpy as np
 import pytest
 import torch
 
+from kvstride import _core
 from kvstride.arena import HostArena, SlotIndex, slots_for
+from kvstride.capacity import PrefixOrder, prefill_per_byte
 from kvstride.layout import KVLayout
 
 NUM_BLOCKS = 64
@@ -78,6 +80,39 @@ def test_a_prefix_loaded_again_outlives_one_off_prompts_then_ages_out():
         if i == 3:  # four one-off prompts written after its last load: plain LRU loses it here
             assert index.exists(["hot", "once0"]) == [True, False]
     assert index.exists(["hot"]) == [False]  # never read again: it ages out
+
+
+def test_a_long_prompt_outlives_a_short_one_written_after_it():
+    """GreedyDual-Size: a key's level is scaled by its request's worth (the prefill a hit saves
+    per byte), so a short prompt's keys go before those of an older, longer one; a read raises
+    a key's worth to its reader's, so a worthier reader's prefix is never evicted before the
+    blocks it extends it with."""
+    index = SlotIndex(8)
+    long_prompt, short_prompt = index.stamp(), index.stamp()
+    ranks = {"long16": (long_prompt, 16, 3.0), "long32": (long_prompt, 32, 3.0), "short16": (short_prompt, 16, 1.5)}
+    index.confirm([key for key, slot in zip(ranks, index.reserve(list(ranks), ranks)) if slot is not None])
+    assert index.keys() == ["short16", "long32", "long16"]
+    reader = index.stamp()
+    index.unpin(index.pin(["short16"], reader, 9.0))  # a far worthier request loads it ...
+    index.reserve(["reader32"], {"reader32": (reader, 32, 9.0)})  # ... and extends it
+    index.confirm(["reader32"])
+    assert index.keys() == ["long32", "long16", "reader32", "short16"]
+
+
+def test_worth_weighs_prefill_saved_per_byte_against_the_mean():
+    """A hit at a prompt's end saves its tokens and loads its boundary set: every attention
+    block, the window's tail. Longer prompts save more per byte; the worth is relative to the
+    mean of the values seen."""
+    groups = [_core.GroupSpec("full_attention", 16), _core.GroupSpec("sliding_window", 16, window=32)]
+    planner = _core.KeyPlanner(groups, hash_block_size=16, scheduler_block_size=16, namespace="ns")
+    short, long = prefill_per_byte(planner, 70, [1, 1]), prefill_per_byte(planner, 170, [1, 1])
+    assert (short, long) == (64 / (4 + 2), 160 / (10 + 2))  # 64 and 160 tokens (the alignment)
+    assert prefill_per_byte(planner, 15, [1, 1]) == 0.0  # nothing to hit
+    assert prefill_per_byte(planner, 170, [2, 1]) == 160 / (2 * 10 + 2)  # bytes per group's value
+    order = PrefixOrder(value_weight=0.5)
+    assert order.worth(short) == 1.5  # the first value is the mean
+    assert order.worth(long) == pytest.approx(1 + 0.5 * long / ((short + long) / 2))
+    assert order.worth(0.0) == 1.0 and PrefixOrder(value_weight=0).worth(long) == 1.0
 
 
 def test_touching_keys_again_and_again_does_not_grow_the_index():

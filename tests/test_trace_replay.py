@@ -197,6 +197,17 @@ def test_kvstride_evicts_the_least_recent_request_from_its_deepest_boundary(toy)
     assert run(toy, trace, "kvstride-admission", capacity=200, checkpoints="every:512")[1] == []
 
 
+def test_kvstride_keeps_the_prompt_whose_hit_saves_more_prefill_per_byte(toy):
+    """A long prompt's boundary set saves more prefill per byte than a short one's (2048
+    tokens for 70 bytes against 512 for 40), so when a newer request needs room the short
+    prompt written after it goes first, and the long prompt's next turn hits all of it. By
+    recency alone the long prompt's deepest state goes, and the turn hits one boundary short."""
+    trace = [req([1, 2, 3, 4]), req([7]), req([9]), req([1, 2, 3, 4, 5])]
+    valued, hits = run(toy, trace, "kvstride", capacity=150)
+    assert hits == [2048] and valued["resident_bytes"] <= 150
+    assert run(toy, trace, "kvstride", capacity=150, value_weight=0)[1] == [1536]
+
+
 def test_replay_index_evicts_as_the_embedded_store_does():
     """The replay's kvstride index and the arena's SlotIndex run one order: fed the same
     ranked keys, touches and unit-sized values, they hold the same keys after every step."""
@@ -307,7 +318,8 @@ def test_cli_json_fields(tmp_path):
 
 
 def test_cli_replay_options_reach_the_replay(tmp_path):
-    """--decode-states, --checkpoints and --retention-interval change what the replay keeps."""
+    """--decode-states, --checkpoints, --retention-interval and --value-weight change what the
+    replay keeps."""
     model = tmp_path / "toy.json"
     model.write_text(json.dumps(TOY))
     trace = tmp_path / "trace.jsonl"
@@ -316,10 +328,10 @@ def test_cli_replay_options_reach_the_replay(tmp_path):
             {"timestamp": 2, "input_length": 2560, "output_length": 5, "hash_ids": [1, 2, 6, 7, 8]}]
     trace.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
 
-    def replay(*options):
+    def replay(*options, capacity="1G"):
         out = io.StringIO()
         with redirect_stdout(out):
-            assert main(["simulate", "--trace", str(trace), "--model", str(model), "--capacity", "1G",
+            assert main(["simulate", "--trace", str(trace), "--model", str(model), "--capacity", capacity,
                          "--json", *options]) == 0
         return json.loads(out.getvalue())
 
@@ -330,6 +342,13 @@ def test_cli_replay_options_reach_the_replay(tmp_path):
     assert replay("--checkpoints", "hedge")["hit_tokens"] == 1024 + 1024  # the hedge at 1024, twice
     periodic = replay("--retention-interval", "512")  # a state at every block: more bytes, the same hits
     assert periodic["hit_tokens"] == plain["hit_tokens"] and periodic["bytes_written"] > plain["bytes_written"]
+    # As test_kvstride_keeps_the_prompt_whose_hit_saves_more_prefill_per_byte: the long
+    # prompt's next turn hits all of it when value counts, one boundary short by recency alone.
+    crowded = [{"timestamp": t, "input_length": 512 * len(ids), "output_length": 0, "hash_ids": ids}
+               for t, ids in enumerate([[1, 2, 3, 4], [7], [9], [1, 2, 3, 4, 5]])]
+    trace.write_text("\n".join(json.dumps(r) for r in crowded) + "\n")
+    assert replay(capacity="150")["hit_tokens"] == 2048
+    assert replay("--value-weight", "0", capacity="150")["hit_tokens"] == 1536
 
 
 def test_shipped_models_and_sizes():

@@ -256,6 +256,80 @@ def test_the_embedded_store_evicts_a_prefix_from_its_deepest_block():
         side.shutdown()
 
 
+def test_the_embedded_store_keeps_the_prompt_whose_hit_saves_more_per_slot():
+    """A window tail costs a hit the same slots at any length, so a long prompt's hit saves
+    more prefill per slot than a short one's. When a third prompt needs room, the short prompt
+    saved after the long one goes first, and the long prompt's next turn hits all of it; by
+    recency alone the long prompt's deepest blocks would go, and the turn would hit less."""
+    from kvstride.arena import ArenaPlacement
+
+    config = _window_config("kvstride", 0)
+    slots = 17
+    config.store = StoreChoice("embedded", 1, slots)
+    placement = ArenaPlacement(slots)
+    side = SchedulerSide(config, placement)
+    try:
+        prompts = {"long": 8, "short": 2, "third": 2}
+        for n, (rid, blocks) in enumerate(prompts.items()):
+            tokens = blocks * BLOCK
+            request = SimpleNamespace(request_id=rid, block_hashes=_hashes(blocks, rid.encode()), num_tokens=tokens,
+                                      num_prompt_tokens=tokens)
+            side.on_new_request(request)
+            tables = [list(range(100 * n + 1, 100 * n + blocks + 1)), list(range(100 * n + 51, 100 * n + blocks + 51))]
+            _report(side, side.build_connector_meta(_prefill_step(request, tokens, tables)).saves, ok=1)
+            side.request_finished_all_groups(request, ())
+        assert placement.index.evictions > 0
+        turn = 10 * BLOCK
+        next_turn = SimpleNamespace(request_id="next", block_hashes=_hashes(8, b"long") + _hashes(2, b"next"),
+                                    num_tokens=turn, num_prompt_tokens=turn)
+        side.on_new_request(next_turn)
+        assert side.get_num_new_matched_tokens(next_turn, 0) == (8 * BLOCK, True)
+    finally:
+        side.shutdown()
+
+
+def test_a_finished_requests_tail_is_ranked_with_its_request():
+    """A tail saved after its request finished (vLLM's partial-tail hand-off) takes the
+    request's stamp and worth: it is the deepest key of a long prompt, evicted first of it, but
+    after a shorter prompt's keys, as the rest of the long prompt is; its rank is dropped once
+    the tail is planned."""
+    from kvstride.arena import ArenaPlacement
+
+    groups = [kvstride.GroupSpec("full_attention", BLOCK), kvstride.GroupSpec("mamba", BLOCK, mamba_mode="align")]
+    S, H = kvstride.resolve_block_sizes(groups)
+    planner = kvstride.KeyPlanner(
+        groups, hash_block_size=H, scheduler_block_size=S, namespace=kvstride.Namespace("tail", fingerprint="00" * 8)
+    )
+    config = ConnectorConfig(
+        {"store": "embedded"}, groups, "00" * 8, planner, [planner], 0, None, StoreChoice("embedded", 1, 64), 1
+    )
+    placement = ArenaPlacement(64)
+    side = SchedulerSide(config, placement)
+    try:
+        long_prompt = SimpleNamespace(request_id="long", block_hashes=_hashes(8, b"long"), num_tokens=8 * BLOCK + 5,
+                                      num_prompt_tokens=8 * BLOCK + 5)
+        side.on_new_request(long_prompt)
+        tables = [list(range(1, 10)), [40]]
+        _report(side, side.build_connector_meta(_prefill_step(long_prompt, 7 * BLOCK, tables)).saves, ok=1)
+        assert side.register_finished_partial_tail(long_prompt, tables, [(1, 41, 8 * BLOCK)])
+        side.request_finished_all_groups(long_prompt, ())
+        short_prompt = SimpleNamespace(request_id="short", block_hashes=_hashes(2, b"short"), num_tokens=2 * BLOCK,
+                                       num_prompt_tokens=2 * BLOCK)
+        side.on_new_request(short_prompt)
+        step = _prefill_step(short_prompt, 2 * BLOCK, [[20, 21], [42]])
+        meta = side.build_connector_meta(step)  # plans the short prompt's save and the long one's tail
+        assert meta.finished_tails == ["long"]
+        _report(side, meta.saves, ok=1)
+        side.request_finished_all_groups(short_prompt, ())
+        tail = planner.key(1, long_prompt.block_hashes[7])
+        order = placement.index.keys()  # first evicted first
+        short_keys = {planner.key(g, h) for g in (0, 1) for h in short_prompt.block_hashes}
+        assert tail in order and order[: order.index(tail)] == [key for key in order if key in short_keys]
+        assert not side._stamps and not side._worths
+    finally:
+        side.shutdown()
+
+
 class KeyCountingStore(EmbeddedStore):
     """The embedded store, recording how many keys each existence call asked."""
 

@@ -7,8 +7,9 @@ they could be used with). The orders and indexes here hold no bytes themselves (
 arena or Mooncake does), so any of them can sit in front of a real store:
 
 - :class:`PrefixOrder`: the embedded store's eviction order (the arena's ``SlotIndex`` runs
-  it, and the replay's ``kvstride`` policy through :class:`PrefixIndex`): GreedyDual with
-  frequency, so prefixes loaded again outlive one-off prompts; at one level the least
+  it, and the replay's ``kvstride`` policy through :class:`PrefixIndex`): GreedyDual-Size with
+  frequency, so prefixes loaded again outlive one-off prompts, and prompts whose hit saves
+  more prefill per byte (:func:`prefill_per_byte`) outlive the others; at one level the least
   recently used request first, its deepest block first, so what stays of a request is a
   prefix that can still serve a hit at some shorter boundary (SEMANTICS §8).
 - :class:`LRUIndex`: every value on its own, least recently used evicted first (what ``dense``
@@ -38,28 +39,37 @@ Put = Tuple[str, int, str]  # (key, bytes, group kind)
 
 
 class PrefixOrder:
-    """Keys ranked ``(level, stamp, -depth)``, the lowest evicted first: GreedyDual with
+    """Keys ranked ``(level, stamp, -depth)``, the lowest evicted first: GreedyDual-Size with
     frequency over requests' prefixes. A key's ``level`` is the clock when it was last written
-    or read plus ``min(1 + reads, MAX_FREQUENCY)``, the clock rising to each evicted key's
-    level: a prefix loaded again and again outlives one-off prompts written after it, and ages
-    out once the clock passes it. At one level the least recently used request goes first
-    (``stamp``), its deepest block first (``depth``): a caller that gives each key the stamp
-    of the newest request that wrote or read it and the tokens its block ends at keeps every
-    request's resident keys a prefix of it (a load reads a prefix, so a shallower block is
-    never read less often than a deeper one). Without depths, keys of one stamp leave in the
-    order they were ranked."""
+    or read plus ``min(1 + reads, MAX_FREQUENCY) x worth``, the clock rising to each evicted
+    key's level: a prefix loaded again and again outlives one-off prompts written after it, and
+    ages out once the clock passes it. ``worth`` (:meth:`worth`) weighs the prefill work a hit
+    on the request saves per byte its boundary set holds (:func:`prefill_per_byte`): a long
+    prompt's set outlives a short one's written at the same time. At one level the least
+    recently used request goes first (``stamp``), its deepest block first (``depth``): a
+    caller that gives each key the stamp and worth of the newest request that wrote or read it
+    and the tokens its block ends at keeps every request's resident keys a prefix of it (a
+    load reads a prefix, so a shallower block is never read less often than a deeper one, and
+    a read raises a key's worth to the reader's). Without depths, keys of one stamp leave in
+    the order they were ranked."""
 
     MAX_FREQUENCY = 4
+    #: How much a request's prefill saved per byte counts against recency (0: not at all).
+    VALUE_WEIGHT = 1.0
 
-    def __init__(self) -> None:
+    def __init__(self, value_weight: float = VALUE_WEIGHT) -> None:
         # key -> its live heap entry (level, stamp, -depth, serial); stale entries left in the
         # heap (re-ranked or forgotten keys) are skipped when popped.
-        self._live: Dict[str, Tuple[int, int, int, int]] = {}
+        self._live: Dict[str, Tuple[float, int, int, int]] = {}
         self._reads: Dict[str, int] = {}
-        self._heap: List[Tuple[int, int, int, int, str]] = []
+        self._worth: Dict[str, float] = {}  # keys of worth other than 1
+        self._heap: List[Tuple[float, int, int, int, str]] = []
         self._stamps = itertools.count(1)
         self._serial = itertools.count()
-        self.clock = 0
+        self.clock = 0.0
+        self.value_weight = float(value_weight)
+        self._values = 0.0  # the sum and count of the values worth() was given
+        self._valued = 0
 
     @property
     def heap_entries(self) -> int:
@@ -69,8 +79,22 @@ class PrefixOrder:
         """A stamp newer than every one given so far."""
         return next(self._stamps)
 
-    def rank(self, key: str, stamp: int, depth: int = 0) -> None:
-        level = self.clock + min(1 + self._reads.get(key, 0), self.MAX_FREQUENCY)
+    def worth(self, value: float) -> float:
+        """The worth of a request whose hit saves ``value`` prefill tokens per byte
+        (:func:`prefill_per_byte`): ``1 + value_weight x value / mean value``, the mean over
+        every value given so far. Take it once per request, and rank all its keys with it."""
+        if value <= 0 or not self.value_weight:
+            return 1.0
+        self._values += value
+        self._valued += 1
+        return 1.0 + self.value_weight * value * self._valued / self._values
+
+    def rank(self, key: str, stamp: int, depth: int = 0, worth: float = 1.0) -> None:
+        if worth != 1.0:
+            self._worth[key] = worth
+        else:
+            self._worth.pop(key, None)
+        level = self.clock + min(1 + self._reads.get(key, 0), self.MAX_FREQUENCY) * worth
         entry = (level, stamp, -depth, next(self._serial))
         self._live[key] = entry
         heapq.heappush(self._heap, entry + (key,))
@@ -78,18 +102,20 @@ class PrefixOrder:
             self._heap = [live + (k,) for k, live in self._live.items()]
             heapq.heapify(self._heap)
 
-    def touch(self, keys: Iterable[str], stamp: int) -> None:
-        """Ranked keys read at ``stamp`` (never older than they were), each keeping its depth."""
-        live, reads = self._live, self._reads
+    def touch(self, keys: Iterable[str], stamp: int, worth: float = 1.0) -> None:
+        """Ranked keys read at ``stamp`` by a request of ``worth`` (never older or worth less
+        than they were), each keeping its depth."""
+        live, reads, worths = self._live, self._reads, self._worth
         for key in keys:
             entry = live.get(key)
             if entry is not None:
                 reads[key] = reads.get(key, 0) + 1
-                self.rank(key, max(stamp, entry[1]), -entry[2])
+                self.rank(key, max(stamp, entry[1]), -entry[2], max(worth, worths.get(key, 1.0)))
 
     def forget(self, key: str) -> None:
         del self._live[key]
         self._reads.pop(key, None)
+        self._worth.pop(key, None)
 
     def ordered(self, keys: Iterable[str]) -> List[str]:
         """``keys`` (all ranked), first to be evicted first."""
@@ -119,7 +145,20 @@ class PrefixOrder:
     def clear(self) -> None:
         self._live.clear()
         self._reads.clear()
+        self._worth.clear()
         self._heap.clear()
+
+
+def prefill_per_byte(planner, num_prompt_tokens: int, value_bytes: Sequence[int]) -> float:
+    """The prefill tokens a hit at a prompt's end saves per byte of the values it loads (its
+    boundary set: ``KeyPlanner.hit_set_blocks`` values of ``value_bytes[g]`` bytes per group);
+    0 for a prompt too short to hit."""
+    # The prompt's deepest hit boundary (without vLLM's periodic checkpoints, which lie below).
+    end = max(planner.hit_boundaries(num_prompt_tokens, retention_interval=0) or [0])
+    if not end:
+        return 0.0
+    size = sum(blocks * nbytes for blocks, nbytes in zip(planner.hit_set_blocks(end), value_bytes))
+    return end / size if size else 0.0
 
 
 class _Counters:
@@ -213,9 +252,9 @@ class PrefixIndex(_Counters):
     same order over its slots). Puts of present keys are skipped and keep their rank, as the
     connector's saves skip the keys the arena holds."""
 
-    def __init__(self, capacity_bytes: int) -> None:
+    def __init__(self, capacity_bytes: int, value_weight: float = PrefixOrder.VALUE_WEIGHT) -> None:
         super().__init__(capacity_bytes)
-        self.order = PrefixOrder()
+        self.order = PrefixOrder(value_weight)
         self._entries: Dict[str, Tuple[int, str]] = {}
 
     def __contains__(self, key: str) -> bool:
@@ -231,12 +270,12 @@ class PrefixIndex(_Counters):
         entries = self._entries
         return [k in entries for k in keys]
 
-    def touch(self, keys: Iterable[str], stamp: int) -> None:
-        self.order.touch(keys, stamp)
+    def touch(self, keys: Iterable[str], stamp: int, worth: float = 1.0) -> None:
+        self.order.touch(keys, stamp, worth)
 
-    def put_many(self, puts: Iterable[Tuple[str, int, str, int, int]]) -> int:
-        """Admit each (key, bytes, kind, stamp, depth) in order, evicting in the order's turn to
-        make room; the bytes written."""
+    def put_many(self, puts: Iterable[Tuple[str, int, str, int, int]], worth: float = 1.0) -> int:
+        """Admit each (key, bytes, kind, stamp, depth) of one request of ``worth`` in order,
+        evicting in the order's turn to make room; the bytes written."""
         entries, by_kind, order = self._entries, self.resident_by_kind, self.order
         written = 0
         for key, nbytes, kind, stamp, depth in puts:
@@ -251,7 +290,7 @@ class PrefixIndex(_Counters):
                 by_kind[old_kind] -= size
                 self.evictions += 1
             entries[key] = (nbytes, kind)
-            order.rank(key, stamp, depth)
+            order.rank(key, stamp, depth, worth)
             self.used += nbytes
             by_kind[kind] += nbytes
             written += nbytes

@@ -10,6 +10,7 @@ import sys
 from typing import List, Optional, Sequence
 
 from kvstride import _core
+from kvstride.capacity import PrefixOrder
 from kvstride.mixes import PRESETS, Mix, format_groups, resolve_mix
 
 
@@ -252,6 +253,7 @@ def simulate_trace(args) -> int:
             checkpoints=args.checkpoints,
             retention_interval=args.retention_interval,
             decode_states=args.decode_states,
+            value_weight=args.value_weight,
         )
     except (OSError, ValueError) as err:
         print(f"kvstride simulate --trace: {err}", file=sys.stderr)
@@ -528,6 +530,13 @@ def build_parser() -> argparse.ArgumentParser:
         default=16384,
         help="with --trace, --checkpoints connector: vLLM's prefix_cache_retention_interval (periodic "
         "checkpoints every this many tokens; 0: none, vLLM's default)",
+    )
+    sim.add_argument(
+        "--value-weight",
+        type=float,
+        default=PrefixOrder.VALUE_WEIGHT,
+        help="with --trace, policy kvstride: how much the prefill a request's hit saves per byte counts "
+        "against recency in the eviction order (default %(default)s; 0: recency and reads alone)",
     )
     sim.add_argument(
         "--hedge-tokens",

@@ -36,10 +36,12 @@ Policies:
   (boundary hashes the replay remembers, as the connector's scheduler does). A trace's partial
   last 512-token block never repeats, so the rule runs on the prompt's whole trace blocks: what
   a later request can share. Attention blocks only up to the last boundary. Eviction: the embedded store's own order (:class:`kvstride.capacity.PrefixOrder`, which
-  the arena's ``SlotIndex`` runs): GreedyDual with frequency (a key's level is the clock plus
-  how often loads read it, up to 4), at one level the least recently used request first, its
-  deepest block first; a request's stamp is taken at its lookup, and its hit's keys and its
-  saves take it, as the connector's loads and saves do.
+  the arena's ``SlotIndex`` runs): GreedyDual-Size with frequency (a key's level is the clock
+  plus how often loads read it, up to 4, times its request's worth: the prefill tokens a hit at
+  its prompt's end saves per byte of that hit's boundary set, against the mean,
+  ``value_weight``), at one level the least recently used request first, its deepest block
+  first; a request's stamp and worth are taken at its lookup, and its hit's keys and its saves
+  take them, as the connector's loads and saves do.
 
 Not in ``all``: ``kvstride-admission`` (kvstride's admission with a per-value LRU) and
 ``kvstride-boundary-sets`` (the same admission with :class:`kvstride.capacity.BoundaryIndex`:
@@ -69,7 +71,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import numpy as np
 
 from kvstride import _core
-from kvstride.capacity import BoundaryIndex, Ghost, LRUIndex, PrefixIndex
+from kvstride.capacity import BoundaryIndex, Ghost, LRUIndex, PrefixIndex, PrefixOrder, prefill_per_byte
 
 TRACE_BLOCK = 512
 VOCAB = 150_000
@@ -249,6 +251,9 @@ class ReplayConfig:
     # no decode-phase Mamba state (module docstring). dense keeps every block boundary of the
     # decode, the kvstride policies its end; vllm-reachable's rule keeps none.
     decode_states: bool = False
+    # kvstride: how much a request's prefill saved per byte counts against recency in the
+    # eviction order (PrefixOrder's value_weight; 0: recency and reads alone).
+    value_weight: float = PrefixOrder.VALUE_WEIGHT
     check_servable: bool = True
     progress: bool = False
     # Called as on_hit(replay, index, hashes, hit) for every reported hit (tests check it
@@ -371,13 +376,13 @@ class TraceReplay:
         if boundary_index:
             index = BoundaryIndex(cfg.capacity_bytes)
         else:
-            index = PrefixIndex(cfg.capacity_bytes) if prefix_index else LRUIndex(cfg.capacity_bytes)
+            index = PrefixIndex(cfg.capacity_bytes, cfg.value_weight) if prefix_index else LRUIndex(cfg.capacity_bytes)
         self.ghost = index.ghost if boundary_index else Ghost()
         stats = dict(requests=0, prompt_tokens=0, hit_tokens=0, unservable_hits=0, hits=0, truncated_inputs=0,
                      decode_checkpoints=0)
         # decode_states: requests whose next turn has not come yet, by the trie node of their
-        # prompt's last full trace block: (prompt tokens, output tokens, stamp, tokens stored).
-        awaiting_next_turn: Dict[int, List[Tuple[int, int, Optional[int], int]]] = {}
+        # prompt's last full trace block: (prompt tokens, output tokens, stamp, worth, tokens stored).
+        awaiting_next_turn: Dict[int, List[Tuple[int, int, Optional[int], float, int]]] = {}
         keeps_decode = cfg.decode_states and cfg.policy != "vllm-reachable"
         progress = None
         if cfg.progress:
@@ -398,6 +403,10 @@ class TraceReplay:
             stats["requests"] += 1
             stats["prompt_tokens"] += n
             stamp = index.stamp() if prefix_index else None  # the connector's: one per request
+            worth = 1.0
+            if prefix_index and hashes:  # the connector's, from what a later request can share
+                shareable = min(n // TRACE_BLOCK * TRACE_BLOCK, len(hashes) * h)
+                worth = index.order.worth(prefill_per_byte(planner, shareable, self.model.bytes_per_block))
             if awaiting_next_turn and hashes:
                 stats["decode_checkpoints"] += self._save_decode_ends(cfg, index, awaiting_next_turn, req, nodes, hashes)
             hit = 0
@@ -420,15 +429,15 @@ class TraceReplay:
                     if boundary_index:
                         index.touch_boundary(hashes[hit // h - 1])
                     elif prefix_index:
-                        index.touch(got, stamp)
+                        index.touch(got, stamp, worth)
                     else:
                         index.touch(got)
             stats["hit_tokens"] += hit
             if hashes:
-                stored = self._save(cfg, index, nodes, hashes, n, hit, stamp)
+                stored = self._save(cfg, index, nodes, hashes, n, hit, stamp, worth)
                 if keeps_decode and n >= TRACE_BLOCK and req.output_length > 0:
                     last_full = nodes[n // TRACE_BLOCK - 1]
-                    awaiting_next_turn.setdefault(last_full, []).append((n, req.output_length, stamp, stored))
+                    awaiting_next_turn.setdefault(last_full, []).append((n, req.output_length, stamp, worth, stored))
             if progress is not None:
                 progress.update(1)
         if progress is not None:
@@ -461,14 +470,14 @@ class TraceReplay:
             "seconds": seconds,
         }
 
-    def _save_decode_ends(self, cfg: ReplayConfig, index, awaiting: Dict[int, List[Tuple[int, int, Optional[int], int]]],
+    def _save_decode_ends(self, cfg: ReplayConfig, index, awaiting: Dict[int, List[Tuple[int, int, Optional[int], float, int]]],
                           req: TraceRequest, nodes: List[int], hashes: List[bytes]) -> int:
         """``decode_states``: the decode-end checkpoints of the earlier requests ``req`` is the
         next turn of, written now that their tokens are known. A trace does not carry output
         tokens, so a request that passes through all of an earlier prompt's full trace blocks
         and is at least that prompt and its output long is taken as its next turn (the first
         such request; the trace's output tokens are those of this request). Each is written as
-        the earlier request would have (its stamp, from where its prompt's save ended). Returns
+        the earlier request would have (its stamp and worth, from where its prompt's save ended). Returns
         how many."""
         written = 0
         for node in nodes:
@@ -476,13 +485,13 @@ class TraceReplay:
             if not waiting:
                 continue
             left = []
-            for n, output, stamp, stored in waiting:
+            for n, output, stamp, worth, stored in waiting:
                 x = (n + output) // self.a * self.a
                 if req.input_length >= n + output and n < x <= len(hashes) * self.h:
-                    self._save(cfg, index, nodes, hashes, x, stored, stamp, decode_end=True)
+                    self._save(cfg, index, nodes, hashes, x, stored, stamp, worth, decode_end=True)
                     written += 1
                 elif req.input_length < n + output:
-                    left.append((n, output, stamp, stored))  # not its next turn: wait for another
+                    left.append((n, output, stamp, worth, stored))  # not its next turn: wait for another
             if left:
                 awaiting[node] = left
             else:
@@ -490,7 +499,7 @@ class TraceReplay:
         return written
 
     def _save(self, cfg: ReplayConfig, index, nodes: List[int], hashes: List[bytes], n: int, hit: int,
-              stamp: Optional[int], decode_end: bool = False) -> int:
+              stamp: Optional[int], worth: float = 1.0, decode_end: bool = False) -> int:
         """Write what the policy keeps of a request of ``n`` tokens that hit ``hit`` (or, with
         ``decode_end``, of its decode, from ``hit``, what its prompt's save stored, to ``n``);
         returns the tokens stored from the start (the attention blocks' end)."""
@@ -578,7 +587,7 @@ class TraceReplay:
         for d in range(offset // TRACE_BLOCK, min(len(nodes), -(-top // TRACE_BLOCK))):
             touched[nodes[d]] = True
         if policy == "kvstride":
-            index.put_many([(key, nb, kind, stamp, depth) for key, nb, kind, depth in puts])
+            index.put_many([(key, nb, kind, stamp, depth) for key, nb, kind, depth in puts], worth)
             return max(end, offset)
         if policy != "kvstride-boundary-sets":
             index.put_many([put[:3] for put in puts])

@@ -37,9 +37,10 @@ class SlotIndex:
     been confirmed by every rank; ``pins`` count the loads in flight per slot.
 
     Eviction takes the ready key first in :class:`kvstride.capacity.PrefixOrder` (the order
-    the replay's ``kvstride`` policy runs too): keys read by loads outlive those only written
-    (GreedyDual with frequency); at one level the least recently used prefix first, and within
-    it the deepest block first. A caller that gives each key the stamp of the request
+    the replay's ``kvstride`` policy runs too): keys read by loads outlive those only written,
+    and long prompts' keys (more prefill saved per slot) those of short ones (GreedyDual-Size
+    with frequency); at one level the least recently used prefix first, and within it the
+    deepest block first. A caller that gives each key the stamp and worth of the request
     that wrote or read it and the tokens its block ends at (``ranks``) keeps every request's
     resident keys a prefix of it, so what stays can still serve a hit at some shorter boundary
     (SEMANTICS §8: a block past the last boundary every group can serve is worth nothing).
@@ -51,7 +52,7 @@ class SlotIndex:
         self._free: List[int] = list(range(self.num_slots - 1, -1, -1))
         self._ready: Dict[str, int] = {}
         self._writing: Dict[str, int] = {}
-        self._pending_ranks: Dict[str, Tuple[int, int]] = {}  # writing key -> (stamp, depth)
+        self._pending_ranks: Dict[str, Tuple[int, int, float]] = {}  # writing key -> (stamp, depth, worth)
         self._pins: Dict[int, int] = {}  # slot -> loads in flight reading it
         self._key_of: Dict[int, str] = {}  # slot -> the key it holds or is being written for
         self._doomed: set = set()  # dropped slots still pinned: freed when the last load ends
@@ -64,6 +65,10 @@ class SlotIndex:
     def stamp(self) -> int:
         """A stamp newer than every one given so far."""
         return self.order.stamp()
+
+    def worth(self, value: float) -> float:
+        """A request's worth in the order (:meth:`kvstride.capacity.PrefixOrder.worth`)."""
+        return self.order.worth(value)
 
     # The KVStore surface OffloadEngine.lookup uses: present = readable on every rank.
     def exists(self, keys: Sequence[str]) -> List[bool]:
@@ -80,22 +85,23 @@ class SlotIndex:
     def ready_slots(self) -> List[int]:
         return list(self._ready.values())
 
-    def touch(self, keys: Sequence[str], stamp: Optional[int] = None) -> None:
-        """Mark ready keys used now (``stamp``, else a new one), each keeping its depth."""
-        self.order.touch(keys, self.stamp() if stamp is None else stamp)
+    def touch(self, keys: Sequence[str], stamp: Optional[int] = None, worth: float = 1.0) -> None:
+        """Mark ready keys used now (``stamp``, else a new one) by a request of ``worth``,
+        each keeping its depth."""
+        self.order.touch(keys, self.stamp() if stamp is None else stamp, worth)
 
     def known(self, keys: Sequence[str]) -> List[bool]:
         """Readable, or being written (a save need not write it again)."""
         return [k in self._ready or k in self._writing for k in keys]
 
-    def pin(self, keys: Sequence[str], stamp: Optional[int] = None) -> Optional[List[int]]:
+    def pin(self, keys: Sequence[str], stamp: Optional[int] = None, worth: float = 1.0) -> Optional[List[int]]:
         """The slots of ``keys`` (all ready), pinned until ``unpin``; None if one is not ready."""
         ready = self._ready
         if not all(k in ready for k in keys):
             return None
-        return self.pin_ready(keys, stamp)
+        return self.pin_ready(keys, stamp, worth)
 
-    def pin_ready(self, keys: Sequence[str], stamp: Optional[int] = None) -> List[Optional[int]]:
+    def pin_ready(self, keys: Sequence[str], stamp: Optional[int] = None, worth: float = 1.0) -> List[Optional[int]]:
         """The slot of each key, pinned until ``unpin`` and used now (:meth:`touch`); None (and
         nothing pinned) for a key that is not ready."""
         ready, pins, out = self._ready, self._pins, []
@@ -104,7 +110,7 @@ class SlotIndex:
             if slot is not None:
                 pins[slot] = pins.get(slot, 0) + 1
             out.append(slot)
-        self.touch(keys, stamp)
+        self.touch(keys, stamp, worth)
         return out
 
     def unpin(self, slots: Sequence[int]) -> None:
@@ -134,10 +140,10 @@ class SlotIndex:
             else:
                 self._free.append(s)
 
-    def reserve(self, keys: Sequence[str], ranks: Optional[Dict[str, Tuple[int, int]]] = None) -> List[Optional[int]]:
+    def reserve(self, keys: Sequence[str], ranks: Optional[Dict[str, Tuple[int, int, float]]] = None) -> List[Optional[int]]:
         """A slot for each key (None when every slot is pinned or being written), evicting
         ready keys in eviction order as needed. The keys become ``writing``; ``ranks`` gives a
-        key's ``(stamp, depth)`` once it is confirmed."""
+        key's ``(stamp, depth, worth)`` once it is confirmed."""
         out: List[Optional[int]] = []
         for key in keys:
             slot = self._free.pop() if self._free else self._evict_one()
@@ -216,6 +222,9 @@ class ArenaPlacement:
     def stamp(self) -> int:
         return self.index.stamp()
 
+    def worth(self, value: float) -> float:
+        return self.index.worth(value)
+
     def place_saves(self, per_rank, ranks=None):
         (entries,) = per_rank
         slots = self.index.reserve([key for key, _, _ in entries], ranks)
@@ -231,9 +240,9 @@ class ArenaPlacement:
         else:
             self.index.abandon(keys)
 
-    def place_load(self, req_id: str, per_rank, stamp: Optional[int] = None):
+    def place_load(self, req_id: str, per_rank, stamp: Optional[int] = None, worth: float = 1.0):
         (gets,) = per_rank
-        slots = self.index.pin([key for key, _, _ in gets], stamp)
+        slots = self.index.pin([key for key, _, _ in gets], stamp, worth)
         if slots is None:  # evicted or dropped since the lookup
             return None
         self._load_pins[req_id] = slots

@@ -12,10 +12,13 @@ A placement turns the keys the core planned into the entries workers execute, pe
     ranks_evictions                      True where the placement evicts (the arena's SlotIndex):
                                          it takes an eviction order, and then has
     stamp() -> int                       a recency stamp newer than every one before
+    worth(value) -> float                a request's worth in the eviction order from the
+                                         prefill its hit saves per byte (capacity.prefill_per_byte)
     place_saves(per_rank, ranks) -> (entries by rank, keys placed, keys refused for want of room);
-                                         ranks: None, or key -> (stamp, depth), the eviction order
+                                         ranks: None, or key -> (stamp, depth, worth), the
+                                         eviction order
     saves_done(keys, ok)                 every rank reported a save job (ok: all wrote it)
-    place_load(req_id, per_rank, stamp) -> entries by rank, or None when the hit is gone
+    place_load(req_id, per_rank, stamp, worth) -> entries by rank, or None when the hit is gone
     load_done(req_id)                    the workers reported the load
     forget_corrupt(items)                what a worker's load found corrupted
     reset() -> bool | None               ``reset_prefix_cache(reset_connector=True)``
@@ -68,7 +71,7 @@ class StorePlacement:
     def saves_done(self, keys: Sequence[str], ok: bool) -> None:
         """Nothing to do: a put that failed left nothing readable."""
 
-    def place_load(self, req_id: str, per_rank: List[List[Entry]], stamp=None) -> Optional[Dict[int, List[Entry]]]:
+    def place_load(self, req_id: str, per_rank: List[List[Entry]], stamp=None, worth=1.0) -> Optional[Dict[int, List[Entry]]]:
         return dict(enumerate(per_rank))
 
     def load_done(self, req_id: str) -> None:

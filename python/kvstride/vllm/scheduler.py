@@ -18,7 +18,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Tuple
 
-from kvstride.capacity import Ghost
+from kvstride.capacity import Ghost, prefill_per_byte
 from kvstride.engine import LoadRequest, OffloadEngine, SaveRequest
 from kvstride.vllm.config import ConnectorConfig
 from kvstride.vllm.metadata import KVStrideMetadata, KVStrideWorkerMetadata
@@ -96,6 +96,8 @@ class SchedulerSide(Outcomes):
         self._seen_prefixes = Ghost(JUNCTION_MEMORY)
         self._admitted: Dict[str, Optional[List[int]]] = {}  # req id -> its hit-capable boundaries
         self._stamps: Dict[str, int] = {}  # req id -> its recency in the placement's eviction order
+        self._worths: Dict[str, float] = {}  # req id -> its worth there (prefill saved per slot)
+        self._slot_values = [1] * len(self.planner.hashes_per_block)  # a value fills one slot
         self._lookup_batch = config.lookup_batch
         # What a save need not put, for a store the scheduler cannot see into without a round
         # trip each step (Mooncake): the keys each request's lookup found, and those this engine
@@ -210,6 +212,9 @@ class SchedulerSide(Outcomes):
             # Finished requests held for their tail are released all the same.
             meta.finished_tails = sorted(set(meta.finished_tails) | set(self._finished_tails))
             self._finished_tails.clear()
+        for rid in meta.finished_tails:  # their tails are planned: their ranks go
+            self._stamps.pop(rid, None)
+            self._worths.pop(rid, None)
         return meta
 
     # ---- loads --------------------------------------------------------------------------------
@@ -229,10 +234,11 @@ class SchedulerSide(Outcomes):
                 self.engine.count("load_missing_destination")
                 self._fail_load(rid, meta)
                 return
-            stamp = None
+            stamp, worth = None, 1.0
             if self.placement.ranks_evictions:  # a load makes its prefix the request's: its saves extend it
                 stamp = self._stamps[rid] = self.placement.stamp()
-            placed = self.placement.place_load(rid, [list(plan.gets) for plan in plans], stamp)
+                worth = self._worth(rid)
+            placed = self.placement.place_load(rid, [list(plan.gets) for plan in plans], stamp, worth)
             if placed is None:  # gone from the store since the lookup
                 self.engine.count("load_not_ready")
                 self._fail_load(rid, meta)
@@ -284,12 +290,12 @@ class SchedulerSide(Outcomes):
             for key, rids in rank_owners.items():
                 owners.setdefault(key, rids)
         per_rank = self._without_known(per_rank, owners)
-        # Eviction order: a key goes with the newest request that wrote it, the deepest blocks
-        # of a request first.
+        # Eviction order: a key goes with the newest request that wrote it (and the worthiest),
+        # the deepest blocks of a request first.
         ranks = None
         if depths is not None:
             ranks = {
-                key: (max(self._stamp(rid) for rid in owners[key]), depth)
+                key: (max(self._stamp(rid) for rid in owners[key]), depth, max(self._worth(rid) for rid in owners[key]))
                 for key, depth in depths.items()
                 if key in owners
             }
@@ -446,6 +452,18 @@ class SchedulerSide(Outcomes):
                 self._stamps[rid] = stamp
         return stamp
 
+    def _worth(self, rid: str) -> float:
+        """The request's worth in the eviction order, taken at its first save or load: the
+        prefill a hit at its prompt's end saves per slot its boundary set fills."""
+        worth = self._worths.get(rid)
+        if worth is None:
+            request = self._requests.get(rid)
+            if request is None:  # a finished request's tail saves keep none
+                return 1.0
+            value = prefill_per_byte(self.planner, int(request.num_prompt_tokens), self._slot_values)
+            worth = self._worths[rid] = self.placement.worth(value)
+        return worth
+
     def _boundaries(self, request) -> Optional[List[int]]:
         """The request's hit-capable boundaries (SEMANTICS §8), found at its first save: its
         prompt's ends, vLLM's periodic checkpoints, and the deepest prefix boundary an earlier
@@ -512,7 +530,9 @@ class SchedulerSide(Outcomes):
         self._step_hits.pop(rid, None)
         self._recompute.discard(rid)
         self._admitted.pop(rid, None)
-        self._stamps.pop(rid, None)
+        if rid not in self._finished_tails:  # else its tail takes its rank: dropped once planned
+            self._stamps.pop(rid, None)
+            self._worths.pop(rid, None)
         self._found.pop(rid, None)
         self._looked_up_at.pop(rid, None)
         self.engine.finish_request(rid)
