@@ -55,7 +55,7 @@ class PrefixOrder:
 
     MAX_FREQUENCY = 4
     #: How much a request's prefill saved per byte counts against recency (0: not at all).
-    VALUE_WEIGHT = 1.0
+    VALUE_WEIGHT = 3.0
 
     def __init__(self, value_weight: float = VALUE_WEIGHT) -> None:
         # key -> its live heap entry (level, stamp, -depth, serial); stale entries left in the
