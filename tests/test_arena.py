@@ -113,6 +113,9 @@ def test_worth_weighs_prefill_saved_per_byte_against_the_mean():
     assert order.worth(short) == 1.5  # the first value is the mean
     assert order.worth(long) == pytest.approx(1 + 0.5 * long / ((short + long) / 2))
     assert order.worth(0.0) == 1.0 and PrefixOrder(value_weight=0).worth(long) == 1.0
+    for bad in (-1.0, float("nan")):
+        with pytest.raises(ValueError, match="value_weight"):
+            PrefixOrder(value_weight=bad)
 
 
 def test_touching_keys_again_and_again_does_not_grow_the_index():

@@ -58,6 +58,8 @@ class PrefixOrder:
     VALUE_WEIGHT = 3.0
 
     def __init__(self, value_weight: float = VALUE_WEIGHT) -> None:
+        if not value_weight >= 0:  # also NaN
+            raise ValueError(f"value_weight={value_weight!r}: use a number >= 0 (0: recency and reads alone)")
         # key -> its live heap entry (level, stamp, -depth, serial); stale entries left in the
         # heap (re-ranked or forgotten keys) are skipped when popped.
         self._live: Dict[str, Tuple[float, int, int, int]] = {}
