@@ -224,23 +224,29 @@ def _saved_block_by_block(side, request, tables) -> None:
     side.request_finished_all_groups(request, ())
 
 
+def _embedded_side(groups, slots: int, name: str, **config):
+    """A scheduler side planning ``groups`` into an embedded arena of ``slots`` slots:
+    (planner, placement, side)."""
+    from kvstride.arena import ArenaPlacement
+
+    S, H = kvstride.resolve_block_sizes(groups)
+    planner = kvstride.KeyPlanner(
+        groups, hash_block_size=H, scheduler_block_size=S, namespace=kvstride.Namespace(name, fingerprint="00" * 8)
+    )
+    connector = ConnectorConfig(
+        {"store": "embedded"}, groups, "00" * 8, planner, [planner], 0, None, StoreChoice("embedded", 1, slots), 1,
+        **config,
+    )
+    placement = ArenaPlacement(slots)
+    return planner, placement, SchedulerSide(connector, placement)
+
+
 def test_the_embedded_store_evicts_a_prefix_from_its_deepest_block():
     """Six arena slots, two 4-block prompts saved a block per step: the second evicts two of
     the first's blocks. Its deepest go (a block past a missing one serves no hit), so the first
     prompt still hits its first 2 blocks; evicting least recently written first would take
     its head and leave it nothing."""
-    from kvstride.arena import ArenaPlacement
-
-    groups = [kvstride.GroupSpec("full_attention", BLOCK)]
-    S, H = kvstride.resolve_block_sizes(groups)
-    planner = kvstride.KeyPlanner(
-        groups, hash_block_size=H, scheduler_block_size=S, namespace=kvstride.Namespace("evict", fingerprint="00" * 8)
-    )
-    config = ConnectorConfig(
-        {"store": "embedded"}, groups, "00" * 8, planner, [planner], 0, None, StoreChoice("embedded", 1, 6), 1
-    )
-    placement = ArenaPlacement(6)
-    side = SchedulerSide(config, placement)
+    _, placement, side = _embedded_side([kvstride.GroupSpec("full_attention", BLOCK)], 6, "evict")
     try:
         tokens = 4 * BLOCK
         first, second = _hashes(4, b"first"), _hashes(4, b"second")
@@ -261,13 +267,8 @@ def test_the_embedded_store_keeps_the_prompt_whose_hit_saves_more_per_slot():
     more prefill per slot than a short one's. When a third prompt needs room, the short prompt
     saved after the long one goes first, and the long prompt's next turn hits all of it; by
     recency alone the long prompt's deepest blocks would go, and the turn would hit less."""
-    from kvstride.arena import ArenaPlacement
-
-    config = _window_config("kvstride", 0)
-    slots = 17
-    config.store = StoreChoice("embedded", 1, slots)
-    placement = ArenaPlacement(slots)
-    side = SchedulerSide(config, placement)
+    groups = [kvstride.GroupSpec("full_attention", BLOCK), kvstride.GroupSpec("sliding_window", BLOCK, window=WINDOW)]
+    _, placement, side = _embedded_side(groups, 17, "worth", admission="kvstride", retention_interval=0)
     try:
         prompts = {"long": 8, "short": 2, "third": 2}
         for n, (rid, blocks) in enumerate(prompts.items()):
@@ -293,18 +294,8 @@ def test_a_finished_requests_tail_is_ranked_with_its_request():
     request's stamp and worth: it is the deepest key of a long prompt, evicted first of it, but
     after a shorter prompt's keys, as the rest of the long prompt is; its rank is dropped once
     the tail is planned."""
-    from kvstride.arena import ArenaPlacement
-
     groups = [kvstride.GroupSpec("full_attention", BLOCK), kvstride.GroupSpec("mamba", BLOCK, mamba_mode="align")]
-    S, H = kvstride.resolve_block_sizes(groups)
-    planner = kvstride.KeyPlanner(
-        groups, hash_block_size=H, scheduler_block_size=S, namespace=kvstride.Namespace("tail", fingerprint="00" * 8)
-    )
-    config = ConnectorConfig(
-        {"store": "embedded"}, groups, "00" * 8, planner, [planner], 0, None, StoreChoice("embedded", 1, 64), 1
-    )
-    placement = ArenaPlacement(64)
-    side = SchedulerSide(config, placement)
+    planner, placement, side = _embedded_side(groups, 64, "tail")
     try:
         long_prompt = SimpleNamespace(request_id="long", block_hashes=_hashes(8, b"long"), num_tokens=8 * BLOCK + 5,
                                       num_prompt_tokens=8 * BLOCK + 5)
