@@ -295,6 +295,7 @@ class TraceReplay:
         self.fa = [g for g in self.participating if groups[g].kind in ATTENTION_KINDS]
         self.mambas = [g for g in self.participating if groups[g].kind == "mamba"]
         self.block = [g.block_size for g in groups]
+        self.value_sizes = [(nbytes, g.kind) for nbytes, g in zip(model.bytes_per_block, groups)]  # per group
         self.ghost_grain = self.a * max(1, -(-256 // self.a))
         # the full-attention group whose block ends bound a hit (the cap below)
         self.cap_group = min(self.fa, key=lambda g: self.block[g]) if self.fa else None
@@ -573,8 +574,7 @@ class TraceReplay:
         if end > offset:
             # Window groups keep only the tails of the chosen boundaries (SEMANTICS §8).
             admitted = None if policy == "dense" else bounds
-            sizes = [(bpb[g], groups[g].kind) for g in range(len(groups))]
-            block = self.block
+            sizes, block = self.value_sizes, self.block
             for key, g, block_id in planner.plan_save(hashes, tables, end, saved_offset=offset, boundaries=admitted).puts:
                 nb, kind = sizes[g]
                 puts.append((key, nb, kind, block_id * block[g]))  # table ids are 1-based
@@ -594,10 +594,9 @@ class TraceReplay:
             return max(end, offset)
         # One boundary set per boundary: every key a hit there loads (the core's load plan:
         # attention blocks up to it, the window tail, the state).
-        sizes = [(bpb[g], groups[g].kind) for g in range(len(groups))]
         for x in bounds:
             gets = planner.plan_load(hashes, tables, x).gets
-            index.put_boundary(hashes[x // h - 1], [(key, *sizes[g]) for key, g, _block in gets], float(x))
+            index.put_boundary(hashes[x // h - 1], [(key, *self.value_sizes[g]) for key, g, _block in gets], float(x))
         return max(end, offset)
 
 
