@@ -406,8 +406,8 @@ class TraceReplay:
             stamp = index.stamp() if prefix_index else None  # the connector's: one per request
             worth = 1.0
             if prefix_index and hashes:  # the connector's, from what a later request can share
-                shareable = min(n // TRACE_BLOCK * TRACE_BLOCK, len(hashes) * h)
-                worth = index.order.worth(prefill_per_byte(planner, shareable, self.model.bytes_per_block))
+                value = prefill_per_byte(planner, self._shareable(n, hashes), self.model.bytes_per_block)
+                worth = index.order.worth(value)
             if awaiting_next_turn and hashes:
                 stats["decode_checkpoints"] += self._save_decode_ends(cfg, index, awaiting_next_turn, req, nodes, hashes)
             hit = 0
@@ -499,6 +499,11 @@ class TraceReplay:
                 del awaiting[node]
         return written
 
+    def _shareable(self, n: int, hashes: List[bytes]) -> int:
+        """The tokens of a prompt of ``n`` a later request can share: its whole trace blocks (a
+        partial last block's id never repeats), as far as its hashes go."""
+        return min(n // TRACE_BLOCK * TRACE_BLOCK, len(hashes) * self.h)
+
     def _save(self, cfg: ReplayConfig, index, nodes: List[int], hashes: List[bytes], n: int, hit: int,
               stamp: Optional[int], worth: float = 1.0, decode_end: bool = False) -> int:
         """Write what the policy keeps of a request of ``n`` tokens that hit ``hit`` (or, with
@@ -524,7 +529,7 @@ class TraceReplay:
             bounds = sorted({x for x in cand if x > hit and x <= full})
             end = n // s * s
         elif cfg.checkpoints == "connector":
-            shareable = min(n // TRACE_BLOCK * TRACE_BLOCK, full)
+            shareable = self._shareable(n, hashes)
             marks = planner.boundary_hashes(hashes, shareable)
             ghost = self.ghost
             seen = [ghost.seen(mark) for mark in marks]
