@@ -280,10 +280,15 @@ class KVLayout:
         }
         return bytes.fromhex(_core.layout_fingerprint(description))
 
+    @property
+    def on_cuda(self) -> bool:
+        """The KV tensors live on a CUDA device: copies to host go through streams and pinned memory."""
+        return self.device is not None and self.device.type == "cuda"
+
     def current_stream_event(self):
         """(CUDA) An event recorded on the calling thread's current stream, None on CPU: copies
         another thread runs later wait for it (``wait_event``) to follow the work queued here."""
-        if self.device is None or self.device.type != "cuda":
+        if not self.on_cuda:
             return None
         event = torch.cuda.Event()
         event.record(torch.cuda.current_stream(self.device))

@@ -164,15 +164,11 @@ class StagingPool:
             self._free = merged
 
 
-def _copies_on_cuda(layout: KVLayout) -> bool:
-    return layout.device is not None and layout.device.type == "cuda"
-
-
 def header_room_for(store, layout: KVLayout) -> int:
     """Bytes staged before each block's first piece for ``store``: room for the value header
     where the store writes it next to the payload (``KVStore.takes_header_room``) and the
     copies run on CPU (the CUDA copies keep contiguous piece arrays); else 0."""
-    return HEADER_BYTES if not _copies_on_cuda(layout) and getattr(store, "takes_header_room", False) else 0
+    return HEADER_BYTES if not layout.on_cuda and getattr(store, "takes_header_room", False) else 0
 
 
 def staging_bytes_for(layout: KVLayout, tokens_per_step: int, planner, header_room: int = 0) -> int:
@@ -304,7 +300,7 @@ class Transfer:
         self.mac_secret = None  # a StoreSecret: CPU digests are keyed payload tags (the store's MAC)
         self.pool = pool
         self.device = layout.device or torch.device("cpu")
-        self.cuda = _copies_on_cuda(layout)
+        self.cuda = layout.on_cuda
         self.header_room = 0  # CPU only: free bytes staged before each entry (make_header_room_for)
         self.stream = (stream or torch.cuda.Stream(device=self.device)) if self.cuda else None
         # Per storage, per dtype width: a flat tensor over the whole storage.

@@ -52,8 +52,7 @@ class HostArena:
         if self.slot_bytes <= 0:
             raise ValueError(f"slot_bytes must be positive, got {slot_bytes}")
         self.num_slots = int(num_slots)
-        device = (layout.device if layout is not None else None) or torch.device("cpu")
-        pin = device.type == "cuda"
+        pin = layout is not None and layout.on_cuda
         self.buffer = torch.empty(self.num_slots * self.slot_bytes, dtype=torch.uint8, pin_memory=pin)
         self.buffer.zero_()
         self.ptr = self.buffer.data_ptr()
@@ -142,7 +141,7 @@ class HostArena:
                     slot.index_copy_(0, rows, kv.index_select(0, ids.to(kv.device)).cpu())
                 else:
                     kv.index_copy_(0, ids.to(kv.device), slot.index_select(0, rows).to(kv.device))
-        if self.layout.device is not None and self.layout.device.type == "cuda":
+        if self.layout.on_cuda:
             torch.cuda.current_stream(self.layout.device).synchronize()
 
     # ---- saves and loads ----------------------------------------------------------------
