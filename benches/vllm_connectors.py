@@ -48,7 +48,13 @@ Measured per configuration:
   run until every save is reported);
 - external hit tokens (what ``update_state_after_alloc`` was given) and bytes moved: kvstride's
   worker counters ``bytes_stored`` / ``bytes_loaded``; the peer's ``KVConnectorStats``
-  (``save_put_total_bytes`` / ``load_get_total_bytes``); otherwise n/a.
+  (``save_put_total_bytes`` / ``load_get_total_bytes``); otherwise n/a;
+- in ``--json`` only, per write-through rep: the engine process's busiest threads' CPU seconds
+  (``cpu_s``), the store processes' (``store_cpu_s``), and kvstride-mooncake's put calls and
+  seconds in them (``put_calls``).
+
+``--kvstride-extra JSON`` adds connector settings to both kvstride configurations (e.g.
+``put_linger_s``, ``staging_bytes``) to compare them with the defaults.
 
 The machine must be quiet for figures worth keeping: every configuration shares its cores.
 """
@@ -82,8 +88,9 @@ OFFLOAD_BYTES = 256 << 20  # CPU capacity given to vLLM's CPU offloading connect
 # ---- the child: one engine, one configuration ------------------------------------------------
 
 
-def transfer_config(name: str, scratch: str):
-    """The ``KVTransferConfig`` of configuration ``name`` (None: no connector)."""
+def transfer_config(name: str, scratch: str, kvstride_extra: dict):
+    """The ``KVTransferConfig`` of configuration ``name`` (None: no connector); ``kvstride_extra``
+    goes into both kvstride configurations' extra config."""
     import vllm_harness as harness
     from vllm.config import KVTransferConfig
 
@@ -95,9 +102,9 @@ def transfer_config(name: str, scratch: str):
     if name == "none":
         return None
     if name == "kvstride-embedded":
-        return harness.connector_config({"store": "embedded"})
+        return harness.connector_config({"store": "embedded", **kvstride_extra})
     if name == "kvstride-mooncake":
-        return harness.connector_config({"store": "mooncake"})  # MOONCAKE_CONFIG_PATH
+        return harness.connector_config({"store": "mooncake", **kvstride_extra})  # MOONCAKE_CONFIG_PATH
     if name == "mooncake-store":
         return vllm_connector("MooncakeStoreConnector", {})  # MOONCAKE_CONFIG_PATH
     if name == "offloading":
@@ -206,17 +213,54 @@ class ByteProbe:
         return int(stored), int(loaded)
 
 
+def _stat_cpu(stat: str) -> tuple:
+    """(name, utime + stime seconds) from a /proc .../stat line."""
+    name = stat[stat.index("(") + 1:stat.rindex(")")]
+    fields = stat[stat.rindex(")") + 2:].split()
+    return name, (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def thread_cpu() -> dict:
+    """This process's CPU seconds so far by thread id: (name, seconds)."""
+    out = {}
+    for task in Path("/proc/self/task").iterdir():
+        try:
+            out[int(task.name)] = _stat_cpu((task / "stat").read_text())
+        except (OSError, ValueError):
+            continue
+    return out
+
+
+def cpu_by_thread(after: dict, before: dict, limit: int = 8) -> dict:
+    """The busiest threads' CPU seconds between two :func:`thread_cpu` snapshots, as
+    ``name/tid`` (vLLM's main thread, which also runs the scheduler and one of the OpenMP
+    threads, as ``main``; the other OpenMP threads and the connectors' lanes are ``python``)."""
+    main = os.getpid()
+    spent = {
+        "main" if tid == main else f"{name}/{tid}": round(cpu - before.get(tid, (name, 0.0))[1], 3)
+        for tid, (name, cpu) in after.items()
+    }
+    return dict(sorted(((k, v) for k, v in spent.items() if v > 0), key=lambda kv: -kv[1])[:limit])
+
+
+def process_cpu(pids) -> float:
+    """CPU seconds so far of processes ``pids`` (every thread), 0 for those gone."""
+    total = 0.0
+    for pid in pids:
+        try:
+            total += _stat_cpu(Path(f"/proc/{pid}/stat").read_text())[1]
+        except (OSError, ValueError):
+            pass
+    return total
+
+
 def thread_report(limit: int = 8) -> list:
     """This process's busiest threads: name, CPU seconds, the cores it may run on (vLLM's CPU
     worker binds its OpenMP thread; helper threads started after that inherit the binding)."""
-    tick = os.sysconf("SC_CLK_TCK")
     rows = []
     for task in Path("/proc/self/task").iterdir():
         try:
-            stat = (task / "stat").read_text()
-            name = stat[stat.index("(") + 1:stat.rindex(")")]
-            fields = stat[stat.rindex(")") + 2:].split()
-            cpu = (int(fields[11]) + int(fields[12])) / tick  # utime + stime
+            name, cpu = _stat_cpu((task / "stat").read_text())
             cores = sorted(os.sched_getaffinity(int(task.name)))
         except (OSError, ValueError):
             continue
@@ -241,7 +285,7 @@ class ChildEngine:
         self.harness, self.spec = harness, spec
         model = harness.MODELS[spec["model"]]
         kwargs = harness.engine_kwargs(model, spec["path"], prefix_cache_retention_interval=spec["retention"])
-        ktc = transfer_config(spec["config"], spec["scratch"])
+        ktc = transfer_config(spec["config"], spec["scratch"], spec["kvstride_extra"])
         if ktc is not None:
             kwargs["kv_transfer_config"] = ktc
         start = time.perf_counter()
@@ -255,6 +299,7 @@ class ChildEngine:
 
             self.worker = get_kv_transfer_group()
         self.probe, self.bytes_probe = SchedulerProbe(self.sched.connector), ByteProbe(self.worker)
+        self._count_puts()
         self._warm_up()
 
     def generate(self, prompts, max_tokens):
@@ -299,7 +344,7 @@ class ChildEngine:
         generate call, until all is saved."""
         self.reset_local()
         prompts = [fresh_tokens(1_000_000 + 10_000 * r + i, PROMPT_TOKENS) for i in range(self.spec["prompts"])]
-        s0, b0 = self.probe.snapshot(), self.bytes_probe.snapshot()
+        s0, b0, c0, p0 = self.probe.snapshot(), self.bytes_probe.snapshot(), thread_cpu(), self.put_calls()
         t0 = time.perf_counter()
         self.generate(prompts, self.spec["max_tokens"])
         t1 = time.perf_counter()
@@ -308,7 +353,29 @@ class ChildEngine:
         s1, b1 = self.probe.snapshot(), self.bytes_probe.snapshot()
         return {"generate_s": t1 - t0, "write_through_s": t2 - t0,
                 "sched_s": s1[0] - s0[0], "steps": s1[1] - s0[1], "ext_tokens": s1[2] - s0[2],
-                "bytes": delta(b1, b0)}
+                "bytes": delta(b1, b0), "cpu_s": cpu_by_thread(thread_cpu(), c0),
+                "put_calls": delta(self.put_calls(), p0)}
+
+    def put_calls(self):
+        """kvstride's (put calls, seconds in them) so far on its save lane; None for others and
+        for the embedded store (whose saves are copies into its arena, not put calls)."""
+        if not self.bytes_probe.kvstride or self._puts is None:
+            return None
+        return [self._puts, self.worker.side.engine.seconds["put"]]
+
+    def _count_puts(self) -> None:
+        """Counts the save lane's store put calls (``_puts``), on kvstride's Mooncake store."""
+        self._puts = None
+        store = self.worker.side.engine.store if self.bytes_probe.kvstride else None
+        if store is None or type(store).__name__ != "MooncakeStore":
+            return
+        self._puts, put = 0, store.put
+
+        def counted(*args, **kwargs):
+            self._puts += 1
+            return put(*args, **kwargs)
+
+        store.put = counted
 
     def hit_trial(self, t: int) -> dict:
         """TTFT on a hit: store P1, forced miss, time P2 (shares 384 tokens)."""
@@ -437,7 +504,8 @@ class Child:
         child_scratch = os.path.join(scratch, tag)
         os.makedirs(os.path.join(child_scratch, "rpc"), exist_ok=True)
         spec = dict(model=model, path=path, config=config, prompts=args.prompts, retention=args.retention,
-                    max_tokens=args.max_tokens, scratch=child_scratch)
+                    max_tokens=args.max_tokens, scratch=child_scratch,
+                    kvstride_extra=args.kvstride_extra)
         env = dict(os.environ)
         env.update(
             VLLM_ENABLE_V1_MULTIPROCESSING="0", PYTHONHASHSEED="0",
@@ -448,6 +516,7 @@ class Child:
             VLLM_RPC_BASE_PATH=os.path.join(child_scratch, "rpc"),
             PYTHONPATH=os.pathsep.join([str(ROOT / "tests"), str(ROOT / "python"), env.get("PYTHONPATH", "")]),
         )
+        self.store_pids = [] if store is None else [store.proc.pid, *store.children]
         if store is not None:
             env["MOONCAKE_CONFIG_PATH"] = store.config_path
         else:
@@ -499,9 +568,12 @@ class Child:
         return {k: v for k, v in out.items() if k != "ok"} if out.get("ok") else {}
 
     def ask(self, command: str, into: str) -> None:
-        """Runs ``write R`` or ``hit T`` and appends its figures to ``result[into]``."""
+        """Runs ``write R`` or ``hit T`` and appends its figures to ``result[into]``, with the
+        CPU the store's processes (holder and master) spent meanwhile."""
+        store_cpu = process_cpu(self.store_pids)
         figures = self._command(command)
         if figures:
+            figures["store_cpu_s"] = round(process_cpu(self.store_pids) - store_cpu, 3)
             self.result[into].append(figures)
 
     def finish(self) -> dict:
@@ -640,6 +712,8 @@ def main() -> int:
     ap.add_argument("--max-tokens", type=int, default=1, help="tokens generated per write-through prompt")
     ap.add_argument("--store-bytes", default="1G", help="segment of the Mooncake store server")
     ap.add_argument("--timeout", type=float, default=900, help="seconds an engine may take to boot, or to run one rep or trial")
+    ap.add_argument("--kvstride-extra", type=json.loads, default={}, metavar="JSON",
+                    help="more kv_connector_extra_config for both kvstride configurations, e.g. '{\"put_linger_s\": 0.1}'")
     ap.add_argument("--json", metavar="PATH", help="also write every raw and summarized figure here")
     ap.add_argument("--keep", action="store_true", help="keep the scratch folder (models, logs)")
     ap.add_argument("--child", help=argparse.SUPPRESS)
