@@ -434,6 +434,51 @@ def test_puts_arriving_within_the_linger_go_in_one_store_call(rig_factory):
     assert [set(k) for k in spy.ops("put")] == [keys[0] | keys[1] | keys[2]]
 
 
+def test_a_caller_waiting_for_idle_ends_the_linger(rig_factory):
+    """``wait_idle`` does not wait out ``put_linger_s``: the lane puts the steps it holds at
+    once (a driver waiting for its saves, e.g. before reading them back, gains nothing from
+    a later call)."""
+    rig, spy = spy_rig(rig_factory, "fa")
+    rig.engine.put_linger_s = 60.0
+    for rid in "ab":
+        _, hashes, tables, _ = rig.source_request(64)
+        rig.engine.submit(saves=[SaveRequest(rid, hashes, tables, 64)])
+    assert rig.engine.wait_idle(10)  # with the linger kept it would wait 60 s
+    assert len(spy.ops("put")) == 1
+    assert rig.engine.get_finished().saves_done == {"a", "b"}
+
+
+def test_a_flush_ends_the_linger_and_the_next_put_does_not_linger(rig_factory):
+    """``flush_puts`` (the connector's workers call it on a step without saves: the engine is
+    idle or decoding) ends the linger over what the lane holds; a put staged after it, before
+    the lane's next call, is not lingered over either; after that call the lane lingers again."""
+    rig, spy = spy_rig(rig_factory, "fa")
+    rig.engine.put_linger_s = 60.0
+
+    def step(rid):
+        _, hashes, tables, _ = rig.source_request(64)
+        rig.engine.submit(saves=[SaveRequest(rid, hashes, tables, 64)])
+
+    def puts_become(n):
+        deadline = time.monotonic() + 10
+        while len(spy.ops("put")) < n and time.monotonic() < deadline:
+            time.sleep(0.001)
+        return len(spy.ops("put")) == n
+
+    step("a")
+    rig.engine.flush_puts()
+    assert puts_become(1)  # a's put, at once
+    rig.engine.flush_puts()  # the engine idle a step: the next put is not lingered over
+    step("b")
+    assert puts_become(2)
+    step("c")  # no flush since b's call: the lane lingers over c
+    time.sleep(0.2)
+    assert len(spy.ops("put")) == 2
+    assert rig.engine.wait_idle(10)
+    assert len(spy.ops("put")) == 3
+    assert rig.engine.get_finished().saves_done == {"a", "b", "c"}
+
+
 def test_the_linger_ends_after_linger_max_steps(rig_factory):
     """However long ``put_linger_s``, the lane puts once ``LINGER_MAX_STEPS`` steps passed
     since the batch it holds: a save job's report must reach the scheduler well within

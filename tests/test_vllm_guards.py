@@ -109,3 +109,23 @@ def test_completions_survive_an_error(engine, monkeypatch):
     fresh.shutdown()
 
 
+
+
+def test_a_step_without_saves_ends_the_save_lanes_linger(engine, monkeypatch):
+    """A step whose metadata carries no saves (vLLM idle-stepping while finished requests wait
+    for their saves, or decoding without a new block) tells the engine to put what its save
+    lane lingers over (``flush_puts``); a step with saves does not."""
+    fresh = _fresh_worker(engine)
+    try:
+        flushes = []
+        monkeypatch.setattr(fresh.side.engine, "flush_puts", lambda: flushes.append(1))
+        fresh.bind_connector_metadata(kv_vllm.KVStrideMetadata())
+        fresh.wait_for_save()
+        fresh.clear_connector_metadata()
+        assert flushes == [1]
+        fresh.bind_connector_metadata(kv_vllm.KVStrideMetadata(saves={7: {EVERY_RANK: []}}))
+        fresh.wait_for_save()
+        fresh.clear_connector_metadata()
+        assert flushes == [1]
+    finally:
+        fresh.shutdown()

@@ -272,6 +272,7 @@ class OffloadEngine:
         self._releases = 0  # staged batches released so far: a waiter sees room come back
         self._put_started: Optional[float] = None  # when the save lane's running put began
         self._room_waiters = 0  # steps waiting for staging room (the save lane stops lingering)
+        self._flush_pending = False  # flush_puts() since the save lane's last call: it does not linger
         self._step = 0
         self._closed = False
         # A planning-only engine (no KV tensors: a scheduler) runs no transfers, so no lanes.
@@ -517,7 +518,8 @@ class OffloadEngine:
         return done
 
     def wait_idle(self, timeout: Optional[float] = None) -> bool:
-        """Block until every submitted job ran; False on timeout."""
+        """Block until every submitted job ran (puts at once: ``flush_puts``); False on timeout."""
+        self.flush_puts()
         deadline = None if timeout is None else time.monotonic() + timeout
         for lane in (self._load_queue, self._save_queue):
             with lane.all_tasks_done:  # notified by the lane's task_done
@@ -571,8 +573,8 @@ class OffloadEngine:
     def _next_items(self, lane: "queue.Queue") -> list:
         """The lane's next job (blocking); for a put, with the puts queued behind it, up to
         ``PUT_KEYS_PER_CALL`` keys, and those that arrive within ``put_linger_s`` and
-        ``LINGER_MAX_STEPS`` steps while no step waits for staging room and room is not low
-        (``_save_room_low``): one store call for all of them. A Mooncake call costs ~0.3 ms of
+        ``LINGER_MAX_STEPS`` steps while no step waits for staging room, room is not low
+        (``_save_room_low``) and nobody flushed (``flush_puts``): one store call for all of them. A Mooncake call costs ~0.3 ms of
         a polling client thread however few values it moves (``benches/mooncake_parts.py``),
         and 2-4 ms beside a busy vLLM engine on 2 cores. A stop or a load behind them waits for the next call."""
         items = [lane.get()]
@@ -584,8 +586,8 @@ class OffloadEngine:
             while keys < PUT_KEYS_PER_CALL:
                 if not lane.queue:
                     left = deadline - time.monotonic()
-                    if left <= 0 or self._closed or self._room_waiters or self._save_room_low() or (
-                        self._step - items[0].job.step >= LINGER_MAX_STEPS
+                    if left <= 0 or self._closed or self._room_waiters or self._flush_pending or (
+                        self._save_room_low() or self._step - items[0].job.step >= LINGER_MAX_STEPS
                     ):
                         break
                     lane.not_empty.wait(left)
@@ -596,7 +598,16 @@ class OffloadEngine:
                 items.append(lane.queue.popleft())  # lane.get's bookkeeping: the task stays unfinished
                 lane.not_full.notify()
                 keys += len(head.entries)
+            self._flush_pending = False  # a flush from now on is for the puts after this call
         return items
+
+    def flush_puts(self) -> None:
+        """No more saves are coming soon (a step without saves, a caller waiting for idle): the
+        save lane puts what it holds now instead of lingering for more, and does not linger for
+        the next put either."""
+        with self._save_queue.mutex:
+            self._flush_pending = True
+            self._save_queue.not_empty.notify()
 
     def _save_room_low(self) -> bool:
         """Less than ``LINGER_ROOM_SHARE`` of the save share is free: a step may soon have to

@@ -109,6 +109,8 @@ class WorkerSide(Outcomes):
             return
         self._saved_meta = meta
         try:
+            if not meta.saves and self.engine is not None:  # nothing more to linger for
+                self.engine.flush_puts()
             if meta.saves:
                 if self.engine is None:
                     self._job_reports.update((job_id, JOB_REPORTS["failed"]) for job_id in meta.saves)
