@@ -160,7 +160,11 @@ DEFAULT_SAVE_WAIT_S = 2.0
 PUT_KEYS_PER_CALL = 1024
 
 #: How long the save lane waits for more puts before a store call (``OffloadEngine._next_items``).
-DEFAULT_PUT_LINGER_S = 0.05
+#: Mooncake's client (PyPI's build) waits for a put by busy-polling on the calling thread, which
+#: then takes a core from vLLM for the whole call: at 0.2 s Gemma-3's bench engine made 44 calls
+#: a rep (16 steps each) where 0.05 s made 115-149, and its save lane spent 0.21-0.25 s of CPU
+#: a rep, not 0.30-0.42 (BENCHMARKS). A step without saves and ``wait_idle`` end the linger.
+DEFAULT_PUT_LINGER_S = 0.2
 
 #: The save lane lingers only while this share of the pool's save share is free.
 LINGER_ROOM_SHARE = 0.25
