@@ -109,13 +109,13 @@ class WorkerSide(Outcomes):
             return
         self._saved_meta = meta
         try:
-            if not meta.saves and self.engine is not None:  # nothing more to linger for
-                self.engine.flush_puts()
             if meta.saves:
                 if self.engine is None:
                     self._job_reports.update((job_id, JOB_REPORTS["failed"]) for job_id in meta.saves)
                     raise RuntimeError("no KV caches registered")
                 self.engine.submit_planned(puts={job: rank_entries(puts, self.tp_rank) for job, puts in meta.saves.items()})
+            elif self.engine is not None:  # a step without saves: the save lane lingers for nothing
+                self.engine.flush_puts()
         except Exception as err:
             self._log_once("save-step", "kvstride: this step's saves were skipped: %r", err)
             self.count("save_job_errors")
