@@ -580,7 +580,7 @@ class OffloadEngine:
         ``LINGER_MAX_STEPS`` steps while no step waits for staging room, room is not low
         (``_save_room_low``) and nobody flushed (``flush_puts``): one store call for all of
         them. A Mooncake call costs ~0.3 ms of a polling client thread however few values it
-        moves (``benches/mooncake_parts.py``), and 2-11 ms beside a busy vLLM engine on 2 cores.
+        moves (``benches/mooncake_parts.py``), and 2-13 ms beside a busy vLLM engine on 2 cores.
         A stop or a load behind them waits for the next call."""
         items = [lane.get()]
         if not isinstance(items[0], _PutBatch):
