@@ -49,9 +49,10 @@ Measured per configuration:
 - external hit tokens (what ``update_state_after_alloc`` was given) and bytes moved: kvstride's
   worker counters ``bytes_stored`` / ``bytes_loaded``; the peer's ``KVConnectorStats``
   (``save_put_total_bytes`` / ``load_get_total_bytes``); otherwise n/a;
-- in ``--json`` only, per write-through rep: the engine process's busiest threads' CPU seconds
-  (``cpu_s``), the store processes' (``store_cpu_s``), and kvstride-mooncake's put calls and
-  seconds in them (``put_calls``).
+- CPU, per write-through rep (``--json``; the second table: their medians): the engine
+  process's busiest threads' seconds (``cpu_s``; in the table, all but vLLM's compute threads),
+  the store processes' (``store_cpu_s``), and kvstride-mooncake's put calls and the seconds in
+  them (``put_calls``).
 
 ``--kvstride-extra JSON`` adds connector settings to both kvstride configurations (e.g.
 ``put_linger_s``, ``staging_bytes``) to compare them with the defaults.
@@ -614,6 +615,18 @@ def run_model(model: str, path: str, configs, args, scratch: str, store) -> dict
     return results
 
 
+def cpu_beside_compute(cpu_s: dict) -> float:
+    """A rep's CPU seconds (``cpu_s``) outside vLLM's compute: every thread but the main one
+    and those that ran at least half as long as it (vLLM's other OpenMP threads, which spin)."""
+    main = cpu_s.get("main", 0.0)
+    return sum(v for k, v in cpu_s.items() if k != "main" and v < main / 2)
+
+
+def median_of(values):
+    values = [v for v in values if v is not None]
+    return statistics.median(values) if values else None
+
+
 def summarize(res: dict) -> dict:
     """The table's figures from one configuration's raw result."""
     if not res.get("ok"):
@@ -635,6 +648,9 @@ def summarize(res: dict) -> dict:
         "bytes_stored_per_rep": statistics.mean(stored) if stored else None,
         "bytes_loaded_per_hit": statistics.mean(loaded) if loaded else None,
         "boot_s": res["boot_s"],
+        "cpu_beside_compute_s": median_of(cpu_beside_compute(r["cpu_s"]) for r in res["write"] if "cpu_s" in r),
+        "store_cpu_s": median_of(r.get("store_cpu_s") for r in res["write"]),
+        "put_calls": median_of((r.get("put_calls") or [None])[0] for r in res["write"]),
     }
 
 
@@ -693,6 +709,18 @@ def print_table(model: str, rows: dict, args) -> None:
         print(f"| {name} | {s['write_through_s']:.3f} | {ratio} | {added} | {added_ratio} | {sched} | {s['sched_ms_per_rep']:.1f} | "
               f"{s['ttft_hit_ms']:.1f} | "
               f"{s['hit_tokens']:.0f} | {fmt_bytes(s['bytes_stored_per_rep'])} | {fmt_bytes(s['bytes_loaded_per_hit'])} |")
+    print("\nCPU a write-through rep (medians) beside vLLM's compute threads, of the store's processes, "
+          "and kvstride-mooncake's put calls:\n")
+    print("| configuration | CPU beside vLLM's compute s | store processes' CPU s | put calls |")
+    print("|---|---:|---:|---:|")
+    for name, s in rows.items():
+        if "error" not in s:
+            print(f"| {name} | {fmt_or_dash(s['cpu_beside_compute_s'], 3)} | {fmt_or_dash(s['store_cpu_s'], 3)} | "
+                  f"{fmt_or_dash(s['put_calls'], 0)} |")
+
+
+def fmt_or_dash(value, digits: int) -> str:
+    return "-" if value is None else f"{value:.{digits}f}"
 
 
 def retention_interval(text: str):
