@@ -109,8 +109,6 @@ def test_completions_survive_an_error(engine, monkeypatch):
     fresh.shutdown()
 
 
-
-
 def test_a_step_without_saves_ends_the_save_lanes_linger(engine, monkeypatch):
     """A step whose metadata carries no saves (vLLM idle-stepping while finished requests wait
     for their saves, or decoding without a new block) tells the engine to put what its save
