@@ -50,7 +50,7 @@ Measured per configuration:
   worker counters ``bytes_stored`` / ``bytes_loaded``; the peer's ``KVConnectorStats``
   (``save_put_total_bytes`` / ``load_get_total_bytes``); otherwise n/a;
 - CPU, per write-through rep (``--json``; the second table: their medians): the engine
-  process's busiest threads' seconds (``cpu_s``; in the table, all but vLLM's compute threads),
+  process's threads' seconds (``cpu_s``; in the table, all but vLLM's compute threads),
   the store processes' (``store_cpu_s``), and kvstride-mooncake's put calls and the seconds in
   them (``put_calls``).
 
@@ -232,8 +232,8 @@ def thread_cpu() -> dict:
     return out
 
 
-def cpu_by_thread(after: dict, before: dict, limit: int = 8) -> dict:
-    """The busiest threads' CPU seconds between two :func:`thread_cpu` snapshots, as
+def cpu_by_thread(after: dict, before: dict) -> dict:
+    """Every thread's CPU seconds between two :func:`thread_cpu` snapshots, busiest first, as
     ``name/tid`` (vLLM's main thread, which also runs the scheduler and one of the OpenMP
     threads, as ``main``; the other OpenMP threads and the connectors' lanes are ``python``)."""
     main = os.getpid()
@@ -241,7 +241,7 @@ def cpu_by_thread(after: dict, before: dict, limit: int = 8) -> dict:
         "main" if tid == main else f"{name}/{tid}": round(cpu - before.get(tid, (name, 0.0))[1], 3)
         for tid, (name, cpu) in after.items()
     }
-    return dict(sorted(((k, v) for k, v in spent.items() if v > 0), key=lambda kv: -kv[1])[:limit])
+    return dict(sorted(((k, v) for k, v in spent.items() if v > 0), key=lambda kv: -kv[1]))
 
 
 def process_cpu(pids) -> float:
@@ -259,11 +259,10 @@ def thread_report(limit: int = 8) -> list:
     """This process's busiest threads: name, CPU seconds, the cores it may run on (vLLM's CPU
     worker binds its OpenMP thread; helper threads started after that inherit the binding)."""
     rows = []
-    for task in Path("/proc/self/task").iterdir():
+    for tid, (name, cpu) in thread_cpu().items():
         try:
-            name, cpu = _stat_cpu((task / "stat").read_text())
-            cores = sorted(os.sched_getaffinity(int(task.name)))
-        except (OSError, ValueError):
+            cores = sorted(os.sched_getaffinity(tid))
+        except OSError:  # the thread ended
             continue
         rows.append({"thread": name, "cpu_s": round(cpu, 2), "cores": cores})
     return sorted(rows, key=lambda r: -r["cpu_s"])[:limit]
