@@ -140,6 +140,20 @@ def test_hedge_serves_a_next_turn_that_rewrites_the_prompt_tail(tmp_path):
     assert run(model, trace, "kvstride", checkpoints="hedge")[1] == [768]
 
 
+def test_a_prompt_with_a_trace_tail_keeps_one_end_state(tmp_path):
+    """384-token blocks, a 1100-token prompt: a later request can share its first 768 tokens
+    (two 384-token blocks inside its two whole trace blocks). The connector, given a real
+    prompt of that length, keeps one end state (SEMANTICS §8: the resend boundary equals the end
+    unless the prompt fills its last block); the trace's grain must not add a second one at 384."""
+    path = tmp_path / "m.json"
+    geometry = json.loads(json.dumps(TOY))
+    for g in geometry["groups"]:
+        g["block_size"] = 384
+    path.write_text(json.dumps(geometry))
+    result, _hits = run(load_model(str(path)), [req([1, 2, 3], n=1100)], "kvstride")
+    assert result["resident_bytes_by_kind"] == {"full_attention": 20, "mamba": 30}
+
+
 def test_shared_prefix_junction_is_kept_once_seen(toy):
     trace = [req([1, 2, 3, 4]), req([1, 2, 5, 6]), req([1, 2, 7, 8])]
     dense, hits = run(toy, trace, "dense")

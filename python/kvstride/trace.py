@@ -34,8 +34,9 @@ Policies:
   resend boundary, vLLM's periodic checkpoints (``retention_interval``, 16384 tokens: two
   prompts sharing that much meet at one) and the deepest junction with a prefix seen before
   (boundary hashes the replay remembers, as the connector's scheduler does). A trace's partial
-  last 512-token block never repeats, so the rule runs on the prompt's whole trace blocks: what
-  a later request can share. Attention blocks only up to the last boundary. Eviction: the embedded store's own order (:class:`kvstride.capacity.PrefixOrder`, which
+  last 512-token block is shared only by an exact repeat, so the rule runs on the prompt's
+  whole trace blocks, what a later request can share, and one token past them: one end state
+  per prompt, as the connector keeps for a real one. Attention blocks only up to the last boundary. Eviction: the embedded store's own order (:class:`kvstride.capacity.PrefixOrder`, which
   the arena's ``SlotIndex`` runs): GreedyDual-Size with frequency (a key's level is the clock
   plus how often loads read it, up to 4, times its request's worth: the prefill tokens a hit at
   its prompt's end saves per byte of that hit's boundary set, against the mean,
@@ -534,7 +535,11 @@ class TraceReplay:
             ghost = self.ghost
             seen = [ghost.seen(mark) for mark in marks]
             ghost.remember(marks)
-            admitted = planner.hit_boundaries(shareable, retention_interval=cfg.retention_interval, seen=seen) or []
+            # The rule sees the shareable tokens and a tail past them no later prompt shares:
+            # one end state, as for a real prompt, not a second one at the resend boundary a
+            # block below that only the trace's grain would make (SEMANTICS §8).
+            prompt = min(n, shareable + 1)
+            admitted = planner.hit_boundaries(prompt, retention_interval=cfg.retention_interval, seen=seen) or []
             bounds = [x for x in admitted if x > hit]
             end = max(bounds) if bounds else 0
         else:
