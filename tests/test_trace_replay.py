@@ -2,9 +2,12 @@
 capacity index (kvstride.trace, kvstride.capacity), on small hand-made traces whose hits are
 known exactly."""
 
+import gzip
+import hashlib
 import io
 import json
 from contextlib import redirect_stdout
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -378,6 +381,17 @@ def test_read_trace_rejects_other_formats(tmp_path):
     bad.write_text('{"input_length": 3}\n')
     with pytest.raises(ValueError, match="not a Mooncake trace line"):
         read_trace(str(bad))
+
+
+def test_read_trace_reads_gzip():
+    """The shipped production trace (benches/traces/README.md): read as it is, compressed, and
+    the file its README's checks and checksum describe."""
+    path = Path(__file__).parent.parent / "benches" / "traces" / "mooncake_conversation_trace.jsonl.gz"
+    with gzip.open(path, "rb") as f:
+        assert hashlib.sha256(f.read()).hexdigest() == "b8cbb061a85206d729d91cdc2981f43c9e0d99209dce588d3af5f7934408b9df"
+    trace = read_trace(str(path))
+    assert len(trace) == 12031 and sum(r.input_length for r in trace) == 144793823
+    assert trace[0] == TraceRequest(6758, list(range(14)), 0.0, 500)
 
 
 def test_cli_table_and_plot(tmp_path):

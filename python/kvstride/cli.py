@@ -500,7 +500,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--trace",
         metavar="FILE",
         help="replay a Mooncake-format trace (JSON lines with input_length and hash_ids of 512-token "
-        "blocks) through the core and a capacity index; --model picks a geometry "
+        "blocks; gzip if FILE ends in .gz) through the core and a capacity index; --model picks a geometry "
         "(python/kvstride/models/*.json, default qwen3-next-80b)",
     )
     sim.add_argument(

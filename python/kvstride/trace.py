@@ -62,6 +62,7 @@ with its stamp (``decode_checkpoints`` counts them).
 
 from __future__ import annotations
 
+import gzip
 import json
 import os
 import sys
@@ -137,8 +138,9 @@ class TraceRequest:
 
 
 def read_trace(path: str, limit: Optional[int] = None) -> List[TraceRequest]:
+    """The requests of a Mooncake-format trace file (gzip-compressed when its name ends in .gz)."""
     out = []
-    with open(path) as f:
+    with (gzip.open(path, "rt") if str(path).endswith(".gz") else open(path)) as f:
         for number, line in enumerate(f, 1):
             line = line.strip()
             if not line:
