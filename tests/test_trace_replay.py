@@ -157,6 +157,22 @@ def test_a_prompt_with_a_trace_tail_keeps_one_end_state(tmp_path):
     assert result["resident_bytes_by_kind"] == {"full_attention": 20, "mamba": 30}
 
 
+def test_every_rule_keeps_the_prompt_end_where_the_next_turn_can_use_it(tmp_path):
+    """384-token blocks, a 1300-token prompt: vLLM 0.33's rule and the connector's both keep
+    the state at the prompt's end, which a real next turn shares whole. A trace's next turn
+    shares the two whole trace blocks (1024 tokens), so both rules' end state is taken at 768,
+    where it can serve; the real end (1152) lies past what the trace's next turn shares."""
+    path = tmp_path / "m.json"
+    geometry = json.loads(json.dumps(TOY))
+    for g in geometry["groups"]:
+        g["block_size"] = 384
+    path.write_text(json.dumps(geometry))
+    model = load_model(str(path))
+    trace = [req([1, 2, 3], n=1300), req([1, 2, 5, 6])]
+    for policy in POLICIES:
+        assert run(model, trace, policy)[1] == [768], policy
+
+
 def test_shared_prefix_junction_is_kept_once_seen(toy):
     trace = [req([1, 2, 3, 4]), req([1, 2, 5, 6]), req([1, 2, 7, 8])]
     dense, hits = run(toy, trace, "dense")

@@ -28,7 +28,8 @@ Policies:
   them (vllm/v1/core/single_type_kv_cache_manager.py:1113-1131 sliding window, :1549-1606
   Mamba), the boundaries being ``num_prompt_tokens - 1`` and the request's
   ``shared_prefix_boundary`` (offloading/scheduler.py:1853-1857), each floored to the alignment
-  (the full-attention chunk, scheduler.py:196-204); one LRU over values.
+  (the full-attention chunk, scheduler.py:196-204), the prompt's end taken where a later
+  request can share it, as for ``kvstride`` (below); one LRU over values.
 - ``kvstride``: admission: the connector's rule (``KeyPlanner.hit_boundaries``, SEMANTICS §8):
   state checkpoints (and window tails) only at boundaries that can hit: the prompt's end and its
   resend boundary, vLLM's periodic checkpoints (``retention_interval``, 16384 tokens: two
@@ -504,8 +505,16 @@ class TraceReplay:
 
     def _shareable(self, n: int, hashes: List[bytes]) -> int:
         """The tokens of a prompt of ``n`` a later request can share: its whole trace blocks (a
-        partial last block's id never repeats), as far as its hashes go."""
+        partial last block's id recurs only in an exact repeat), as far as its hashes go."""
         return min(n // TRACE_BLOCK * TRACE_BLOCK, len(hashes) * self.h)
+
+    def _shared_prompt(self, n: int, hashes: List[bytes]) -> int:
+        """The prompt's length as an end-of-prompt rule sees it here: the shareable tokens and,
+        if the prompt goes on, one token past them. A real next turn shares all of its
+        previous prompt, a trace's next turn only its whole trace blocks, so each rule keeps
+        its one end state where the trace's next turn can use it, not a second one a block
+        below that only the trace's grain would make (SEMANTICS §8)."""
+        return min(n, self._shareable(n, hashes) + 1)
 
     def _save(self, cfg: ReplayConfig, index, nodes: List[int], hashes: List[bytes], n: int, hit: int,
               stamp: Optional[int], worth: float = 1.0, decode_end: bool = False) -> int:
@@ -525,10 +534,11 @@ class TraceReplay:
             bounds = list(range((offset // s + 1) * s, n // s * s + 1, s))
             end = n // s * s
         elif policy == "vllm-reachable":
-            cand = [(n - 1) // a * a]
+            prompt = self._shared_prompt(n, hashes)
+            cand = [(prompt - 1) // a * a]
             junction = self._fa_prefix(nodes, hashes, index.exists) if self.fa else 0
             if junction > hit:
-                cand.append(min(junction, n - 1) // a * a)
+                cand.append(min(junction, prompt - 1) // a * a)
             bounds = sorted({x for x in cand if x > hit and x <= full})
             end = n // s * s
         elif cfg.checkpoints == "connector":
@@ -537,10 +547,7 @@ class TraceReplay:
             ghost = self.ghost
             seen = [ghost.seen(mark) for mark in marks]
             ghost.remember(marks)
-            # The rule sees the shareable tokens and a tail past them no later prompt shares:
-            # one end state, as for a real prompt, not a second one at the resend boundary a
-            # block below that only the trace's grain would make (SEMANTICS §8).
-            prompt = min(n, shareable + 1)
+            prompt = self._shared_prompt(n, hashes)
             admitted = planner.hit_boundaries(prompt, retention_interval=cfg.retention_interval, seen=seen) or []
             bounds = [x for x in admitted if x > hit]
             end = max(bounds) if bounds else 0
