@@ -2,8 +2,9 @@
 
     python scripts/conversation_trace.py --out conv.jsonl [--sessions 1500] [--seed 0]
 
-Mooncake's production conversation trace is not public; its synthetic trace has few turns whose
-prompt extends an earlier prompt and its output. This one is made of chat sessions: each starts
+Mooncake's synthetic trace has few turns whose prompt extends an earlier prompt and its output;
+its production conversation trace (``benches/traces/``) is one workload. This one is made of
+chat sessions, with the mix set by the options: each starts
 from one of a few shared system prompts, and each turn's input is the previous turn's input, its
 output and a new user message, so a next turn shares every full 512-token block of the previous
 prompt (the partial last block is completed by new tokens: a new id). Sessions arrive as a

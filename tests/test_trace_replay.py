@@ -457,3 +457,23 @@ def test_conversation_trace_turns_extend_the_previous_prompt_and_output(tmp_path
     plain = rp.run(trace, ReplayConfig(model, 1 << 44, "kvstride"))
     turns = rp.run(trace, ReplayConfig(model, 1 << 44, "kvstride", decode_states=True))
     assert turns["decode_checkpoints"] > 0 and turns["hit_tokens"] > plain["hit_tokens"]
+
+
+def test_loss_split_classes_what_kvstride_misses_against_dense(toy):
+    """scripts/trace_loss_split.py, on the replay's per-request hits (``on_request``): the
+    first reuse of a junction inside an earlier prompt is lost to dense, and so is a next turn
+    that rewrites the previous prompt's last whole block (no hedge state)."""
+    import importlib.util
+
+    script = Path(__file__).parent.parent / "scripts" / "trace_loss_split.py"
+    spec = importlib.util.spec_from_file_location("trace_loss_split", script)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    # The second request meets the first at 1024 (no state there yet); the third shares all
+    # but the last whole block of the second (2100 tokens: its end state is at 2048 only).
+    trace = [req([1, 2, 3, 4]), req([1, 2, 5, 6, 9], n=2100), req([1, 2, 5, 7]), req([1, 2, 5, 6, 8])]
+    assert module.hits_per_request(trace, toy, "dense", 1 << 40) == [0, 1024, 1536, 2048]
+    assert module.hits_per_request(trace, toy, "kvstride", 1 << 40) == [0, 0, 1024, 2048]
+    assert module.classify(trace) == [
+        "nothing shared", "inside an earlier prompt", "all but the last whole block", "inside an earlier prompt"
+    ]

@@ -244,7 +244,7 @@ class ReplayConfig:
     # (KeyPlanner.hit_boundaries, SEMANTICS §8: the prompt's end and resend boundary, vLLM's
     # periodic checkpoints every ``retention_interval`` tokens, the deepest junction with a
     # prefix seen before), over the tokens a later request of the trace can share: the prompt's
-    # whole 512-token trace blocks (a partial last block's id never repeats). Or, to weigh its
+    # whole 512-token trace blocks and one token past them (TraceReplay._shared_prompt). Or, to weigh its
     # parts, a comma list of the prompt "end", the "hedge" (the last boundary ``hedge_tokens``
     # before the prompt end), the "junction", "every:T" tokens.
     checkpoints: str = "connector"
@@ -263,6 +263,9 @@ class ReplayConfig:
     # Called as on_hit(replay, index, hashes, hit) for every reported hit (tests check it
     # independently of the core).
     on_hit: Optional[object] = None
+    # Called as on_request(position in the trace, hit tokens) for every request (analyses that
+    # compare policies request by request, scripts/trace_loss_split.py).
+    on_request: Optional[object] = None
 
 
 def _bytes_text(n: float) -> str:
@@ -438,6 +441,8 @@ class TraceReplay:
                     else:
                         index.touch(got)
             stats["hit_tokens"] += hit
+            if cfg.on_request is not None:
+                cfg.on_request(stats["requests"] - 1, hit)
             if hashes:
                 stored = self._save(cfg, index, nodes, hashes, n, hit, stamp, worth)
                 if keeps_decode and n >= TRACE_BLOCK and req.output_length > 0:
