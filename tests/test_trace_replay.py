@@ -54,6 +54,17 @@ def toy(tmp_path):
     return load_model(str(path))
 
 
+@pytest.fixture
+def toy384(tmp_path):
+    """TOY with 384-token blocks: a hash block that does not divide the 512-token trace block."""
+    path = tmp_path / "toy384.json"
+    geometry = json.loads(json.dumps(TOY))
+    for g in geometry["groups"]:
+        g["block_size"] = 384
+    path.write_text(json.dumps(geometry))
+    return load_model(str(path))
+
+
 def req(ids, n=None):
     return TraceRequest(n if n is not None else 512 * len(ids), list(ids))
 
@@ -126,51 +137,34 @@ def test_next_turn_hits_the_previous_prompt_end(toy):
     assert run(toy, trace, "vllm-reachable")[1] == [1024]
 
 
-def test_hedge_serves_a_next_turn_that_rewrites_the_prompt_tail(tmp_path):
+def test_hedge_serves_a_next_turn_that_rewrites_the_prompt_tail(toy384):
     """384-token blocks: the prompt-end state (1536) and the resend boundary (1152) lie past the
     1024 tokens a next turn that rewrites the prompt's last trace block shares: the connector's
     rule misses it; the hedge (the last boundary 512 tokens before the end, 768) serves it."""
-    path = tmp_path / "m.json"
-    geometry = json.loads(json.dumps(TOY))
-    for g in geometry["groups"]:
-        g["block_size"] = 384
-    path.write_text(json.dumps(geometry))
-    model = load_model(str(path))
     trace = [req([1, 2, 3]), req([1, 2, 4, 5])]
-    assert run(model, trace, "dense")[1] == [768]
-    assert run(model, trace, "kvstride", checkpoints="end")[1] == []
-    assert run(model, trace, "kvstride")[1] == []
-    assert run(model, trace, "kvstride", checkpoints="hedge")[1] == [768]
+    assert run(toy384, trace, "dense")[1] == [768]
+    assert run(toy384, trace, "kvstride", checkpoints="end")[1] == []
+    assert run(toy384, trace, "kvstride")[1] == []
+    assert run(toy384, trace, "kvstride", checkpoints="hedge")[1] == [768]
 
 
-def test_a_prompt_with_a_trace_tail_keeps_one_end_state(tmp_path):
+def test_a_prompt_with_a_trace_tail_keeps_one_end_state(toy384):
     """384-token blocks, a 1100-token prompt: a later request can share its first 768 tokens
     (two 384-token blocks inside its two whole trace blocks). The connector, given a real
     prompt of that length, keeps one end state (SEMANTICS §8: the resend boundary equals the end
     unless the prompt fills its last block); the trace's grain must not add a second one at 384."""
-    path = tmp_path / "m.json"
-    geometry = json.loads(json.dumps(TOY))
-    for g in geometry["groups"]:
-        g["block_size"] = 384
-    path.write_text(json.dumps(geometry))
-    result, _hits = run(load_model(str(path)), [req([1, 2, 3], n=1100)], "kvstride")
+    result, _hits = run(toy384, [req([1, 2, 3], n=1100)], "kvstride")
     assert result["resident_bytes_by_kind"] == {"full_attention": 20, "mamba": 30}
 
 
-def test_every_rule_keeps_the_prompt_end_where_the_next_turn_can_use_it(tmp_path):
+def test_every_rule_keeps_the_prompt_end_where_the_next_turn_can_use_it(toy384):
     """384-token blocks, a 1300-token prompt: vLLM 0.33's rule and the connector's both keep
     the state at the prompt's end, which a real next turn shares whole. A trace's next turn
     shares the two whole trace blocks (1024 tokens), so both rules' end state is taken at 768,
     where it can serve; the real end (1152) lies past what the trace's next turn shares."""
-    path = tmp_path / "m.json"
-    geometry = json.loads(json.dumps(TOY))
-    for g in geometry["groups"]:
-        g["block_size"] = 384
-    path.write_text(json.dumps(geometry))
-    model = load_model(str(path))
     trace = [req([1, 2, 3], n=1300), req([1, 2, 5, 6])]
     for policy in POLICIES:
-        assert run(model, trace, policy)[1] == [768], policy
+        assert run(toy384, trace, policy)[1] == [768], policy
 
 
 def test_shared_prefix_junction_is_kept_once_seen(toy):
