@@ -17,7 +17,7 @@ end sits in the first request that had the block:
 from __future__ import annotations
 
 import argparse
-from typing import Dict, List, Tuple
+from typing import Dict, List
 
 from kvstride.trace import TRACE_BLOCK, ReplayConfig, TraceReplay, load_model, parse_size, read_trace
 
@@ -34,7 +34,7 @@ def hits_per_request(trace, model, policy: str, capacity: int) -> List[int]:
 
 def classify(trace) -> List[str]:
     """Per request, where its shared prefix ends in the first request with that block."""
-    first: Dict[int, Tuple[int, int]] = {}  # id -> (request, position) of its first whole block
+    first: Dict[int, int] = {}  # id -> the first request with it in a whole block
     classes = []
     for i, req in enumerate(trace):
         ids = req.hash_ids
@@ -44,11 +44,10 @@ def classify(trace) -> List[str]:
         if shared == 0:
             classes.append("nothing shared")
         else:
-            origin, _position = first[ids[shared - 1]]
-            whole = trace[origin].input_length // TRACE_BLOCK
+            whole = trace[first[ids[shared - 1]]].input_length // TRACE_BLOCK
             classes.append("all but the last whole block" if whole == shared + 1 else "inside an earlier prompt")
-        for position, hid in enumerate(ids[: req.input_length // TRACE_BLOCK]):
-            first.setdefault(hid, (i, position))
+        for hid in ids[: req.input_length // TRACE_BLOCK]:
+            first.setdefault(hid, i)
     return classes
 
 
