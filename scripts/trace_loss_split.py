@@ -22,13 +22,13 @@ from typing import Dict, List
 from kvstride.trace import TRACE_BLOCK, ReplayConfig, TraceReplay, load_model, parse_size, read_trace
 
 
-def hits_per_request(trace, model, policy: str, capacity: int) -> List[int]:
+def hits_per_request(replay: TraceReplay, trace, policy: str, capacity: int) -> List[int]:
     hits = [0] * len(trace)
 
     def record(position: int, hit: int) -> None:
         hits[position] = hit
 
-    TraceReplay(model).run(trace, ReplayConfig(model, capacity, policy, on_request=record))
+    replay.run(trace, ReplayConfig(replay.model, capacity, policy, on_request=record))
     return hits
 
 
@@ -59,10 +59,10 @@ def main() -> None:
     parser.add_argument("--capacity", default="1P", help="e.g. 16T; the default holds every trace here")
     args = parser.parse_args()
     trace = read_trace(args.trace)
-    model = load_model(args.model)
+    replay = TraceReplay(load_model(args.model))  # the trie and hashes, built once for both runs
     capacity = parse_size(args.capacity)
-    dense = hits_per_request(trace, model, "dense", capacity)
-    other = hits_per_request(trace, model, args.policy, capacity)
+    dense = hits_per_request(replay, trace, "dense", capacity)
+    other = hits_per_request(replay, trace, args.policy, capacity)
     tokens = sum(req.input_length for req in trace)
     print(f"dense {100 * sum(dense) / tokens:.2f} %, {args.policy} {100 * sum(other) / tokens:.2f} % of prompt tokens")
     lost: Dict[str, List[int]] = {}

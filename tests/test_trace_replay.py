@@ -466,8 +466,9 @@ def test_loss_split_classes_what_kvstride_misses_against_dense(toy):
     # The second request meets the first at 1024 (no state there yet); the third shares all
     # but the last whole block of the second (2100 tokens: its end state is at 2048 only).
     trace = [req([1, 2, 3, 4]), req([1, 2, 5, 6, 9], n=2100), req([1, 2, 5, 7]), req([1, 2, 5, 6, 8])]
-    assert module.hits_per_request(trace, toy, "dense", 1 << 40) == [0, 1024, 1536, 2048]
-    assert module.hits_per_request(trace, toy, "kvstride", 1 << 40) == [0, 0, 1024, 2048]
+    replay = TraceReplay(toy)
+    assert module.hits_per_request(replay, trace, "dense", 1 << 40) == [0, 1024, 1536, 2048]
+    assert module.hits_per_request(replay, trace, "kvstride", 1 << 40) == [0, 0, 1024, 2048]
     assert module.classify(trace) == [
         "nothing shared", "inside an earlier prompt", "all but the last whole block", "inside an earlier prompt"
     ]

@@ -513,13 +513,15 @@ class TraceReplay:
         partial last block's id recurs only in an exact repeat), as far as its hashes go."""
         return min(n // TRACE_BLOCK * TRACE_BLOCK, len(hashes) * self.h)
 
-    def _shared_prompt(self, n: int, hashes: List[bytes]) -> int:
-        """The prompt's length as an end-of-prompt rule sees it here: the shareable tokens and,
-        if the prompt goes on, one token past them. A real next turn shares all of its
-        previous prompt, a trace's next turn only its whole trace blocks, so each rule keeps
-        its one end state where the trace's next turn can use it, not a second one a block
-        below that only the trace's grain would make (SEMANTICS §8)."""
-        return min(n, self._shareable(n, hashes) + 1)
+    @staticmethod
+    def _shared_prompt(n: int, shareable: int) -> int:
+        """The length of a prompt of ``n`` as an end-of-prompt rule sees it here: its
+        ``shareable`` tokens (:meth:`_shareable`) and, if the prompt goes on, one token past
+        them. A real next turn shares all of its previous prompt, a trace's next turn only its
+        whole trace blocks, so each rule keeps its one end state where the trace's next turn
+        can use it, not a second one a block below that only the trace's grain would make
+        (SEMANTICS §8)."""
+        return min(n, shareable + 1)
 
     def _save(self, cfg: ReplayConfig, index, nodes: List[int], hashes: List[bytes], n: int, hit: int,
               stamp: Optional[int], worth: float = 1.0, decode_end: bool = False) -> int:
@@ -539,7 +541,7 @@ class TraceReplay:
             bounds = list(range((offset // s + 1) * s, n // s * s + 1, s))
             end = n // s * s
         elif policy == "vllm-reachable":
-            prompt = self._shared_prompt(n, hashes)
+            prompt = self._shared_prompt(n, self._shareable(n, hashes))
             cand = [(prompt - 1) // a * a]
             junction = self._fa_prefix(nodes, hashes, index.exists) if self.fa else 0
             if junction > hit:
@@ -552,7 +554,7 @@ class TraceReplay:
             ghost = self.ghost
             seen = [ghost.seen(mark) for mark in marks]
             ghost.remember(marks)
-            prompt = self._shared_prompt(n, hashes)
+            prompt = self._shared_prompt(n, shareable)
             admitted = planner.hit_boundaries(prompt, retention_interval=cfg.retention_interval, seen=seen) or []
             bounds = [x for x in admitted if x > hit]
             end = max(bounds) if bounds else 0
