@@ -640,9 +640,9 @@ def summarize(res: dict) -> dict:
         "generate_s": best["generate_s"],
         "sched_us_per_step": (1e6 * sum(r["sched_s"] for r in res["write"]) / steps) if steps else None,
         "sched_ms_per_rep": 1e3 * statistics.mean(r["sched_s"] for r in res["write"]),
-        "hit_steps": statistics.median(t["steps"] for t in res["hit"]) if res["hit"] else None,
-        "ttft_hit_ms": 1e3 * statistics.median(t["ttft_s"] for t in res["hit"]) if res["hit"] else None,
-        "hit_tokens": statistics.median(t["ext_tokens"] for t in res["hit"]) if res["hit"] else None,
+        "hit_steps": median_of(t["steps"] for t in res["hit"]),
+        "ttft_hit_ms": median_of(1e3 * t["ttft_s"] for t in res["hit"]),
+        "hit_tokens": median_of(t["ext_tokens"] for t in res["hit"]),
         "write_ext_tokens": sum(r["ext_tokens"] for r in res["write"]),
         "bytes_stored_per_rep": statistics.mean(stored) if stored else None,
         "bytes_loaded_per_hit": statistics.mean(loaded) if loaded else None,
@@ -704,7 +704,7 @@ def print_table(model: str, rows: dict, args) -> None:
             added_ratio = f"{s['added_vs_peer']:.2f}x"
             if s.get("added_vs_peer_per_round") is not None:
                 added_ratio += f" ({s['added_vs_peer_per_round']:.2f}x)"
-        sched = "-" if s["sched_us_per_step"] is None else f"{s['sched_us_per_step']:.0f}"
+        sched = fmt_or_dash(s["sched_us_per_step"], 0)
         print(f"| {name} | {s['write_through_s']:.3f} | {ratio} | {added} | {added_ratio} | {sched} | {s['sched_ms_per_rep']:.1f} | "
               f"{s['ttft_hit_ms']:.1f} | "
               f"{s['hit_tokens']:.0f} | {fmt_bytes(s['bytes_stored_per_rep'])} | {fmt_bytes(s['bytes_loaded_per_hit'])} |")
