@@ -119,3 +119,32 @@ def test_fingerprint_tracks_geometry_not_addresses():
     assert a.fingerprint() == b.fingerprint() and len(a.fingerprint()) == 8
     assert a.fingerprint() != c.fingerprint()
     assert a.fingerprint() != d.fingerprint()
+
+
+def _attention(nb=8, bs=16, heads=4, dim=32, dtype=torch.float16, hnd=False):
+    """One attention layer, blocks first, in vLLM's logical (num_blocks, 2, block, heads, dim)
+    shape; ``hnd`` allocates heads before tokens in memory, as the HND layout (FlashInfer) does,
+    and views it in the same logical shape."""
+    if hnd:
+        return {"attn": torch.zeros(nb, 2, heads, bs, dim, dtype=dtype).permute(0, 1, 3, 2, 4)}, [["attn"]]
+    return {"attn": torch.zeros(nb, 2, bs, heads, dim, dtype=dtype)}, [["attn"]]
+
+
+def test_fingerprint_tells_memory_layouts_and_kv_dtypes_of_equal_bytes_apart():
+    """HND and NHD of the same shape, and an fp8 cache with twice the heads of a bf16 one, have
+    blocks of the same bytes: only the fingerprint can keep their values apart."""
+    nhd, hnd = KVLayout(*_attention()), KVLayout(*_attention(hnd=True))
+    fp8 = KVLayout(*_attention(heads=8, dtype=torch.float8_e4m3fn))
+    bf16 = KVLayout(*_attention(dtype=torch.bfloat16))
+    assert nhd.block_bytes(0) == hnd.block_bytes(0) == fp8.block_bytes(0) == bf16.block_bytes(0)
+    assert len({nhd.fingerprint(), hnd.fingerprint(), fp8.fingerprint(), bf16.fingerprint()}) == 4
+
+
+def test_fingerprint_does_not_depend_on_the_block_count():
+    """Engines with more or less KV memory share values: the block count is no part of a block's
+    geometry, in a blocks-first layout and in FlashAttention's (2, num_blocks, ...)."""
+    for hnd in (False, True):
+        assert KVLayout(*_attention(nb=8, hnd=hnd)).fingerprint() == KVLayout(*_attention(nb=24, hnd=hnd)).fingerprint()
+    assert KVLayout(*kvdata.flash_attn(nb=8)).fingerprint() == KVLayout(*kvdata.flash_attn(nb=24)).fingerprint()
+    # A heads dimension of 1 moves no byte: its place in memory is no difference.
+    assert KVLayout(*_attention(heads=1)).fingerprint() == KVLayout(*_attention(heads=1, hnd=True)).fingerprint()

@@ -386,3 +386,52 @@ def test_client_with_a_segment_and_no_host_is_refused(mooncake_master, monkeypat
         MooncakeStore(mooncake_master.address, segment_bytes=16 << 20, fingerprint=FP)
     # A pure client serves nothing: no address needed.
     MooncakeStore(mooncake_master.address, segment_bytes=0, fingerprint=FP).close()
+
+
+def _attention_blocks(store, hnd=False, heads=4, dtype=torch.float16, seed=0):
+    """A client's KV cache of one attention layer (vLLM's logical blocks-first shape; ``hnd``: heads
+    before tokens in memory) with random bytes, its layout bound to the client."""
+    shape = (8, 2, heads, 16, 32) if hnd else (8, 2, 16, heads, 32)
+    kv = {"attn": torch.zeros(shape, dtype=dtype)}
+    if hnd:
+        kv["attn"] = kv["attn"].permute(0, 1, 3, 2, 4)
+    layout = KVLayout(kv, [["attn"]])
+    kvdata.fill_random(layout.storages, seed)
+    store.bind_geometry(layout.fingerprint())
+    pool = StagingPool(1 << 20)
+    store.register_buffer(pool.ptr, pool.capacity)
+    return layout, Transfer(layout, pool)
+
+
+@pytest.mark.parametrize("reader", ["hnd", "fp8"])
+def test_other_geometries_never_load_each_others_values(mooncake_master, mooncake_store, reader):
+    """An NHD fp16 engine's values, read by an HND engine or an fp8 one (blocks of the same bytes,
+    the same configuration fingerprint): misses that leave the reader's blocks alone and the value
+    in the store, which a reader of the writer's geometry still loads byte for byte."""
+    clients = [MooncakeStore(mooncake_master, segment_bytes=0, fingerprint=FP) for _ in range(3)]
+    try:
+        writer, other, same = clients
+        layout_w, tr_w = _attention_blocks(writer, seed=1)
+        kwargs = dict(hnd=True) if reader == "hnd" else dict(heads=8, dtype=torch.float8_e4m3fn)
+        layout_o, tr_o = _attention_blocks(other, seed=2, **kwargs)
+        layout_s, tr_s = _attention_blocks(same, seed=3)
+        assert layout_o.block_bytes(0) == layout_w.block_bytes(0)
+        keys = [f"geometry-{reader}-{os.getpid()}-{b}" for b in range(2)]
+        with tr_w.stage([(0, 0), (0, 1)]) as b:
+            tr_w.gather(b).wait()
+            assert writer.put(keys, b.all_parts()) == [Status.OK] * 2
+        before = layout_o.storages[0].clone()
+        with tr_o.stage([(0, 4), (0, 5)]) as b:
+            st = other.get(keys, b.all_parts())
+            tr_o.scatter(b, ok=[s is Status.OK for s in st]).wait()
+        assert Status.OK not in st
+        assert torch.equal(layout_o.storages[0], before)
+        assert writer.exists(keys) == [True, True]
+        with tr_s.stage([(0, 4), (0, 5)]) as b:
+            assert same.get(keys, b.all_parts()) == [Status.OK] * 2
+            tr_s.scatter(b, ok=[True, True]).wait()
+        w, s = layout_w.storages[0].view(8, -1), layout_s.storages[0].view(8, -1)
+        assert torch.equal(s[4], w[0]) and torch.equal(s[5], w[1])
+    finally:
+        for client in clients:
+            client.close()

@@ -92,6 +92,15 @@ def _block_dim(name: str, t: torch.Tensor, num_blocks: Optional[int]) -> int:
     )
 
 
+def _tensor_geometry(t: torch.Tensor, bdim: int) -> str:
+    """A tensor's per-block geometry, independent of how many blocks it holds: dtype, block
+    dimension, the other dimensions' sizes, and those dimensions from outermost to innermost
+    in memory (size-1 dimensions have no order: they move no byte)."""
+    others = [i for i in range(t.dim()) if i != bdim]
+    order = sorted((i for i in others if t.shape[i] > 1), key=lambda i: (-t.stride(i), -i))
+    return f"{t.dtype}|block dim {bdim}|shape {[int(t.shape[i]) for i in others]}|memory order {order}"
+
+
 def _tensor_pieces(name: str, t: torch.Tensor, bdim: int):
     """(byte offset from tensor start, size, block stride) per piece, or ValueError."""
     es = t.element_size()
@@ -261,16 +270,18 @@ class KVLayout:
 
     def _fingerprint(self, kv_caches, groups) -> bytes:
         """The core's ``layout_fingerprint`` (the one notion every store key and header uses)
-        of the per-block geometry: groups, block bytes, piece sizes, tensor dtypes and shapes."""
+        of the per-block geometry: groups, block bytes, piece sizes, and per tensor its dtype,
+        block dimension, shape without the block count and the memory order of its other
+        dimensions (what tells an HND cache from an NHD one of the same shape and bytes)."""
         description = {
-            "kvstride-layout": 1,
+            "kvstride-layout": 2,
             "groups": [
                 {
                     "group": g.group,
                     "block_bytes": g.block_bytes,
                     "pieces": [p.size for p in g.pieces],
                     "tensors": [
-                        f"{t.dtype}{tuple(t.shape[1:]) if t.dim() else ()}"
+                        _tensor_geometry(t, _block_dim(name, t, g.num_blocks))
                         for name in g.layers
                         for t in ([kv_caches[name]] if isinstance(kv_caches[name], torch.Tensor) else kv_caches[name])
                     ],

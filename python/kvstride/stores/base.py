@@ -230,7 +230,8 @@ class KVStore:
         if isinstance(fingerprint, str):
             fingerprint = bytes.fromhex(fingerprint) if len(fingerprint) == 16 else fingerprint.encode()
         fingerprint = bytes(fingerprint)[:8].ljust(8, b"\0")
-        self.fingerprint = fingerprint
+        self.fingerprint = fingerprint  # every header's: the configuration's, then bound to a geometry
+        self._config_fingerprint = fingerprint
         self.verify = bool(verify) or self.mac_secret is not None  # a MAC is always checked
         self.counters: collections.Counter = collections.Counter()
         self._logged: set = set()
@@ -255,6 +256,17 @@ class KVStore:
             raise ValueError(f"register_buffer needs a positive address and size, got ({ptr}, {nbytes})")
         with self._note_lock:
             self._allowed += ((ptr, ptr + nbytes),)
+
+    def bind_geometry(self, geometry: bytes) -> None:
+        """Bind every value this client writes and reads from now on to ``geometry`` too (the
+        worker's ``KVLayout.fingerprint()``: dtypes, shapes, memory order): a value written from
+        KV tensors of another layout (HND and NHD, an fp8 and a bf16 cache of equal block
+        bytes) is then a fingerprint mismatch, a miss that is left in the store for its
+        readers. A client has one geometry: its process's worker's."""
+        if _rcore is None:  # pragma: no cover - core not built
+            raise RuntimeError("binding a geometry needs the kvstride core (kvstride._core)")
+        both = {"config": self._config_fingerprint.hex(), "geometry": bytes(geometry).hex()}
+        self.fingerprint = bytes.fromhex(_rcore.layout_fingerprint(both))
 
     def close(self) -> None:
         pass
