@@ -3,11 +3,14 @@ the deployment secret rewrites every stored value (a wrong but finite payload, e
 header field recomputed) after each forced miss. With ``secret_file`` the engine rejects every
 forged value (counted, removed) and recomputes: P2 and the exact repeat are bit-identical to a
 run without a connector. The negative control, the same attack on an engine without a secret,
-changes the output: the attack is real."""
+changes the output: the attack is real. And nothing such an engine prints, counts or sends
+between its processes holds the secret."""
 
 from __future__ import annotations
 
+import logging
 import os
+import pickle
 import urllib.request
 
 import numpy as np
@@ -20,8 +23,10 @@ torch = pytest.importorskip("torch")
 from vllm import LLM  # noqa: E402
 
 import kvstride.vllm as kv_vllm  # noqa: E402
+import kvstride.vllm.connector as kv_connector  # noqa: E402
+from kvstride.vllm import checks as kv_checks  # noqa: E402
 import vllm_harness as harness  # noqa: E402
-from kvstride.secret import generate_secret_file  # noqa: E402
+from kvstride.secret import generate_secret_file, load_secret  # noqa: E402
 from kvstride.stores import HEADER_BYTES, MooncakeStore, Status  # noqa: E402
 from vllm_fixtures import model_dirs, plain_outputs  # noqa: E402,F401  (fixtures)
 from mooncake_fixture import mooncake_master  # noqa: E402,F401  (fixtures)
@@ -106,3 +111,76 @@ def test_forged_values(model_dirs, plain_outputs, mooncake_master, tmp_path, nam
     else:
         assert counters.get("get_ok", 0) > 0 and not counters.get("loads_failed"), counters
         assert harness.mismatches(got, plain_outputs(name)) != [], "the forged KV changed nothing: no real attack"
+
+
+class _AllRecords(logging.Handler):
+    """Every record of every logger, formatted with its exception text."""
+
+    def __init__(self):
+        super().__init__(logging.DEBUG)
+        self.setFormatter(logging.Formatter("%(name)s %(levelname)s %(message)s"))
+        self.texts = []
+
+    def emit(self, record):
+        self.texts.append(self.format(record))
+
+
+def test_the_secret_never_leaves_its_file(model_dirs, mooncake_master, tmp_path, monkeypatch):
+    """An engine run with a secret, forged values included (so that rejections are logged and
+    counted): no log record at any level, repr, exception text, metric or connector metadata
+    passed between vLLM's processes holds the secret, raw, hex or base64."""
+    prefix = f"leak{os.getpid()}"
+    key = tmp_path / "deploy.key"
+    generate_secret_file(key)
+    secret = load_secret(key)
+    store = {"store": "mooncake", "mooncake_master": mooncake_master.address, "mooncake_local_hostname": "127.0.0.1",
+             "store_name": prefix, "cache_prefix": prefix, "secret_file": str(key)}
+    records = _AllRecords()
+    loggers = [logging.getLogger(), logging.getLogger("vllm"), logging.getLogger("kvstride")]
+    levels = [lg.level for lg in loggers]
+    for lg in loggers:
+        lg.addHandler(records)
+        lg.setLevel(logging.DEBUG)
+    sent = []  # what vLLM pickles between the scheduler and the workers, both ways
+    for method in ("build_connector_meta", "build_connector_worker_meta"):
+        real = getattr(kv_vllm.KVStrideConnector, method)
+        monkeypatch.setattr(kv_vllm.KVStrideConnector, method,
+                            lambda self, *a, _real=real, **k: sent.append(_real(self, *a, **k)) or sent[-1])
+    monkeypatch.setattr(kv_checks, "_warned_tcp", False)  # logged once per process: this test's engine's
+    configs = []  # each side's resolved configuration (kvstride.vllm.config.ConnectorConfig)
+    real_resolve = kv_connector.resolve_config
+    monkeypatch.setattr(kv_connector, "resolve_config", lambda *a, **k: configs.append(real_resolve(*a, **k)) or configs[-1])
+    attacker = Attacker(mooncake_master)
+    texts = []
+    try:
+        llm = LLM(**harness.engine_kwargs(harness.MODELS["llama"], model_dirs["llama"], connector=store),
+                  disable_log_stats=False)  # the metrics too
+        try:
+            _phases_with_attack(llm, attacker, prefix)
+            scheduler = llm.llm_engine.engine_core.engine_core.scheduler.connector
+            worker = _worker(llm)
+            objects = [scheduler, scheduler.side, worker, worker.store, worker.engine, worker.planner,
+                       scheduler.get_kv_connector_stats(), worker.get_kv_connector_stats()]
+            objects += configs
+            texts += [repr(o) for o in objects] + [str(o) for o in objects]
+            texts += [repr(getattr(o, "__dict__", {})) for o in objects[:3]]
+            texts += [repr(dict(worker.counters)), repr(dict(worker.store.counters))]
+            texts += [f"{m.name} {getattr(m, 'value', '')} {getattr(m, 'labels', '')}" for m in llm.get_metrics()]
+        finally:
+            harness.close(llm)
+            kv_vllm.drop_shared_stores()
+            attacker.close()
+    finally:
+        for lg, level in zip(loggers, levels):
+            lg.removeHandler(records)
+            lg.setLevel(level)
+    with pytest.raises(ValueError) as refused:  # a key file others can read: the error names the path only
+        key.chmod(0o644)
+        LLM(**harness.engine_kwargs(harness.MODELS["llama"], model_dirs["llama"], connector=store))
+    texts.append(str(refused.value))
+    assert attacker.rewritten > 0 and any("MAC" in t for t in records.texts), "no rejection was logged"
+    assert sum("reaches the Mooncake data port" in t for t in records.texts) == 1  # the trust model, once
+    assert sent and len(configs) == 2 and len(records.texts) > 20  # vLLM's and kvstride's records, DEBUG included
+    blob = "\n".join(texts + records.texts).encode() + b"".join(pickle.dumps(m) for m in sent if m is not None)
+    for form in harness.secret_forms(secret):
+        assert form not in blob

@@ -560,3 +560,26 @@ def test_mooncake_shared_across_engines_with_vllm_default_hash(workdir, base_env
     assert b["kvstride"].get("vllm:kvstride_failures", 0) == 0, b["kvstride"]
     got = {**_outputs(a["outputs"]), **_outputs(b["outputs"])}
     assert _mismatches(got, reference[name]) == []
+
+
+def test_mooncake_new_checkpoint_at_the_same_path(workdir, base_env, reference, store_serve, tmp_path_factory):
+    """A rollout: engine A computes P1 into ``kvstride store serve`` and exits; a fine-tune (the
+    same config, every weight moved) replaces the checkpoint at the same path; engine B, a new
+    process, hits nothing and matches a plain run of the new weights in tokens and logprobs. The
+    control: an engine on the unchanged weights, also a new process, hits A's KV and matches
+    the plain run; and the fine-tune's own output differs from the old weights' (had B loaded
+    A's KV, it would show)."""
+    path = harness.llama(tmp_path_factory.mktemp("rollout") / "prod")
+    connector = _store("mooncake", f"rollout-{os.getpid()}")
+    env = _env(base_env, "mooncake", store_serve, VLLM_ENABLE_V1_MULTIPROCESSING="0")
+    job = dict(model="llama", path=path, backend="uni", connector=connector, phases=["p1"])
+    (a,) = _run_engines(workdir, env, [job], "rollout-a")
+    (same,) = _run_engines(workdir, env, [job], "rollout-same-weights")
+    assert same["hits"]["p1"] >= harness.SHARED_TOKENS, same
+    assert _mismatches(_outputs(same["outputs"]), reference["llama"]) == []
+    harness.llama_finetuned(Path(path))
+    b, plain = _run_engines(workdir, env, [job, dict(job, connector=None)], "rollout-b")
+    assert b["hits"] == {"p1": 0}, b
+    assert b["kvstride"].get("vllm:kvstride_failures", 0) == 0, b["kvstride"]
+    assert _mismatches(_outputs(b["outputs"]), _outputs(plain["outputs"])) == []
+    assert _mismatches(_outputs(plain["outputs"]), reference["llama"]) != [], "the fine-tune changed no output"

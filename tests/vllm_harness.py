@@ -56,6 +56,29 @@ def llama(path: Path) -> str:
     return _write_model(path, cfg)
 
 
+def llama_finetuned(path: Path) -> str:
+    """:func:`llama` fine-tuned: the same config, every weight moved (written over ``path``)."""
+    from transformers import LlamaConfig
+
+    def tune(model):
+        generator = torch.Generator().manual_seed(1)
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=generator) * 0.05)
+
+    cfg = LlamaConfig(num_hidden_layers=2, rms_norm_eps=1e-6, tie_word_embeddings=False, **_COMMON)
+    cfg.architectures = ["LlamaForCausalLM"]
+    return _write_model(path, cfg, tweak=tune)
+
+
+def secret_forms(secret: bytes) -> List[bytes]:
+    """The ways a secret could be printed: raw, as Python prints bytes, hex (both cases), base64
+    (both alphabets)."""
+    import base64
+
+    return [secret, repr(secret)[2:-1].encode(), secret.hex().encode(), secret.hex().upper().encode(), base64.b64encode(secret),
+            base64.urlsafe_b64encode(secret), base64.b64encode(secret).rstrip(b"=")]
+
+
 def gemma3(path: Path) -> str:
     """3 sliding-window layers (window 64) + 1 full-attention layer: 4 KV-cache groups."""
     from transformers import Gemma3TextConfig

@@ -4,7 +4,7 @@
 and keeps the LISTEN sockets whose inodes this process holds open (``/proc/self/fd``): measured,
 not assumed from flags. Mooncake's TCP transport listens on every interface whatever address it
 is given (its data acceptor binds ``[::]`` dual-stack, see the README's trust model), and anyone
-who reaches that port can read and write this process's registered memory; logging what is open
+who reaches that port can read and write any memory of this process; logging what is open
 makes that visible.
 """
 
@@ -102,9 +102,9 @@ def log_listeners(who: str, pid: Optional[int] = None, level: int = logging.INFO
     wild = [s for s in listeners if s.wildcard]
     if wild:
         log.warning(
-            "%s: listens on %s; %d of them on all interfaces: whoever reaches those ports can read "
-            "and write its registered memory (Mooncake's TCP transport has no authentication); keep it on an "
-            "isolated network (README: Trust model)", who, describe(listeners), len(wild),
+            "%s: listens on %s; %d of them on all interfaces: whoever reaches those ports can read and write "
+            "any memory of that process (Mooncake's TCP transport has no authentication and takes the address "
+            "a peer names); keep it on an isolated network (README: Trust model)", who, describe(listeners), len(wild),
         )
     else:
         log.log(level, "%s: listens on %s", who, describe(listeners))

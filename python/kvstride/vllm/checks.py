@@ -43,6 +43,9 @@ from typing import List, Optional
 
 __all__ = [
     "check_reproducible_hashes",
+    "check_strong_hash",
+    "warn_secret_on_tcp",
+    "WEAK_HASH_ALGOS",
     "warn_unauthenticated_store",
     "hash_reproducibility_problems",
     "hash_portability_warning",
@@ -64,9 +67,23 @@ _FIX = (
     f"(or CacheConfig(prefix_caching_hash_algo={PORTABLE_HASH_ALGO!r}))"
 )
 
+#: vLLM's non-cryptographic prefix-caching hashes: a tenant who sends prompts can search for a
+#: block that collides with another prefix's hash.
+WEAK_HASH_ALGOS = ("xxhash", "xxhash_cbor")
+
 _warned = False
 _warned_lock = threading.Lock()
 _warned_unauthenticated = False
+_warned_weak = False
+_warned_tcp = False
+
+SECRET_ON_TCP = (
+    "kvstride: secret_file authenticates values against clients of the Mooncake store that lack it, "
+    "but over protocol 'tcp' anyone who reaches the Mooncake data port of any engine or holder can "
+    "read and write any memory of that process (the transport takes the address a peer names), the "
+    "secret included: it protects only on a network where no untrusted host reaches those ports "
+    "(README: Trust model)"
+)
 
 UNAUTHENTICATED = (
     "kvstride: store 'mooncake' without a secret_file: values are unauthenticated and keys are a "
@@ -148,6 +165,45 @@ def check_reproducible_hashes(vllm_config, shared: bool) -> None:
             return
         _warned = True
     log.warning("%s", warning)
+
+
+def check_strong_hash(vllm_config, extra: dict) -> None:
+    """A store shared across engines (Mooncake) with a non-cryptographic block hash is a
+    ``ValueError`` naming the fix, unless ``extra["allow_weak_hash"]`` is ``true`` (a
+    single-tenant choice, logged once per process)."""
+    global _warned_weak
+    allow = extra.get("allow_weak_hash", False)
+    if not isinstance(allow, bool):
+        raise ValueError(f"kv_connector_extra_config['allow_weak_hash']={allow!r}: use true or false")
+    algo = _algo(vllm_config)
+    if algo not in WEAK_HASH_ALGOS:
+        return
+    if not allow:
+        raise ValueError(
+            f"kvstride: prefix_caching_hash_algo={algo!r} with store 'mooncake': anyone who can send prompts to an "
+            "engine sharing the store can search for a block whose non-cryptographic hash collides with another "
+            "prefix's, and every engine would then load its KV for that prefix; use "
+            f"{_FIX}, or set kv_connector_extra_config['allow_weak_hash']=true if only trusted prompts reach "
+            "every engine of this store"
+        )
+    with _warned_lock:
+        if _warned_weak:
+            return
+        _warned_weak = True
+    log.warning(
+        "kvstride: allow_weak_hash: prefix_caching_hash_algo=%r on a shared store; a prompt crafted to collide "
+        "with another prefix's block hash makes every engine of the store load its KV for that prefix", algo,
+    )
+
+
+def warn_secret_on_tcp() -> None:
+    """Log :data:`SECRET_ON_TCP` once per process."""
+    global _warned_tcp
+    with _warned_lock:
+        if _warned_tcp:
+            return
+        _warned_tcp = True
+    log.warning("%s", SECRET_ON_TCP)
 
 
 def warn_unauthenticated_store() -> None:

@@ -5,15 +5,22 @@ Configuration that cannot work is a ``ValueError`` here, at construction."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import logging
+from dataclasses import dataclass, field
 from typing import List, Optional
 
 import kvstride
+from kvstride.identity import checkpoint_digest, local_checkpoint, plain
 from kvstride.engine import DEFAULT_PUT_LINGER_S, DEFAULT_SAVE_WAIT_S, check_put_linger, check_save_wait
 from kvstride.secret import load_secret
+from kvstride.vllm.checks import check_strong_hash
 from kvstride.vllm.store_registry import StoreChoice, choose_store
 
-__all__ = ["ConnectorConfig", "resolve_config", "group_specs", "ADMISSION_POLICIES", "check_admission"]
+__all__ = [
+    "ConnectorConfig", "resolve_config", "group_specs", "model_identity", "ADMISSION_POLICIES", "check_admission",
+]
+
+log = logging.getLogger("kvstride.vllm")
 
 #: ``kv_connector_extra_config["admission"]``: ``kvstride`` keeps a window group's blocks only
 #: where a later lookup can hit (SEMANTICS §8, under vLLM's ``prefix_cache_retention_interval``);
@@ -28,9 +35,8 @@ def group_specs(kv_cache_config, vllm_config) -> List[kvstride.GroupSpec]:
     mamba_mode = getattr(vllm_config.cache_config, "mamba_cache_mode", "none") or "none"
     out = []
     for g, group in enumerate(kv_cache_config.kv_cache_groups):
-        spec = group.kv_cache_spec
+        spec, heads = _group_spec_and_heads(g, group.kv_cache_spec, vllm_config)
         bs = int(spec.block_size)
-        heads = _total_kv_heads(spec, vllm_config)
         if isinstance(spec, kci.CircularBufferSpec):
             out.append(kvstride.GroupSpec("circular_buffer", bs))
         elif isinstance(spec, kci.SlidingWindowSpec):  # incl. SlidingWindowMLASpec
@@ -49,6 +55,26 @@ def group_specs(kv_cache_config, vllm_config) -> List[kvstride.GroupSpec]:
                 "supported: full attention, MLA, sliding window, chunked local, Mamba, circular buffer"
             )
     return out
+
+
+def _group_spec_and_heads(g: int, spec, vllm_config):
+    """A group's spec and its model's KV heads; a ``UniformTypeKVCacheSpecs`` (layers of one
+    attention type whose pages differ, e.g. in head count) stands for its layers' type, with
+    the fewest heads of them: keys are replicated over TP ranks that share a head, and that
+    holds for all of its layers only while no layer has fewer heads than ranks."""
+    members = getattr(spec, "kv_cache_specs", None)
+    if not isinstance(members, dict) or not members:
+        return spec, _total_kv_heads(spec, vllm_config)
+    heads = {_total_kv_heads(member, vllm_config) for member in members.values()}
+    tp = max(1, int(getattr(vllm_config.parallel_config, "tensor_parallel_size", 1) or 1))
+    known = sorted(h for h in heads if h is not None)
+    if len(heads) > 1 and tp > 1 and (None in heads or known[0] < tp):
+        raise ValueError(
+            f"KV-cache group {g} mixes layers with {sorted(heads, key=str)} KV heads at tensor_parallel_size={tp}: "
+            "kvstride keys a group's blocks for one head count; run with a tensor_parallel_size no larger than "
+            "the fewest heads, or without the KVStrideConnector"
+        )
+    return next(iter(members.values())), (known[0] if known else None)
 
 
 def _total_kv_heads(spec, vllm_config) -> Optional[int]:
@@ -91,23 +117,61 @@ def _tp_rank(parallel_config, tp_size: int) -> int:
 
 
 def _fingerprint(vllm_config, kv_cache_config, groups) -> str:
-    """16 hex chars describing everything a stored block's bytes depend on."""
+    """16 hex chars describing everything in vLLM's configuration that a stored block's bytes
+    depend on (the weights' content is :func:`model_identity`'s, the worker's memory geometry
+    the value header's: ``KVStore.bind_geometry``)."""
     model = vllm_config.model_config
     cache = vllm_config.cache_config
-    desc = {
-        "model": str(getattr(model, "model", "")),
+    desc = {  # the model's path is the namespace's (model_id), its content model_identity's
+        "revision": str(getattr(model, "revision", None)),
+        "quantization": str(getattr(model, "quantization", None)),
+        "hf_overrides": plain(getattr(model, "hf_overrides", None)),
         "dtype": str(getattr(model, "dtype", "")),
         "kv_dtype": str(getattr(cache, "cache_dtype", "")),
+        "kv_scales": str(getattr(cache, "calculate_kv_scales", None)),
         "hash": str(getattr(cache, "prefix_caching_hash_algo", "")),
         "groups": [
             [type(g.kv_cache_spec).__name__, repr(spec_g), int(getattr(g.kv_cache_spec, "page_size_bytes", 0)), list(g.layer_names)]
             for g, spec_g in zip(kv_cache_config.kv_cache_groups, groups)
         ],
-        "layout": str(getattr(kv_cache_config, "kv_cache_layout", "")),
     }
     return kvstride.layout_fingerprint(desc)
 
 
+_warned_unverified = False
+
+
+def model_identity(vllm_config, extra: dict) -> str:
+    """What the weights contribute to the key namespace: the operator's
+    ``kv_connector_extra_config["model_identity"]`` when set, else the digest of the checkpoint
+    vLLM loads (:func:`kvstride.identity.checkpoint_digest`). Computed once per engine, by the
+    scheduler's side: it plans every rank's keys."""
+    explicit = extra.get("model_identity")
+    if explicit is not None:
+        if not isinstance(explicit, str) or not explicit.strip():
+            raise ValueError(
+                f"kv_connector_extra_config['model_identity']={explicit!r}: give a non-empty string that "
+                "changes whenever the weights do (a release tag), or leave it out to digest the checkpoint"
+            )
+        return "operator:" + explicit
+    model = vllm_config.model_config
+    load = getattr(vllm_config, "load_config", None)
+    load_format = str(getattr(load, "load_format", "") or "")
+    path = local_checkpoint(str(model.model), getattr(model, "revision", None), getattr(load, "download_dir", None))
+    if load_format == "dummy":  # vLLM's seeded random weights: only the config decides them
+        return "dummy:" + (checkpoint_digest(path, weights=False).digest if path is not None else str(model.model))
+    if path is None:
+        global _warned_unverified
+        if not _warned_unverified:
+            _warned_unverified = True
+            log.warning(
+                "kvstride: the checkpoint of model %r was not found on this host, so the store's keys cannot "
+                "cover its weights: an engine with other weights under this name would share its KV; set "
+                "kv_connector_extra_config['model_identity'] to a tag that changes with the weights",
+                str(model.model),
+            )
+        return "unverified:" + str(model.model)
+    return "weights:" + checkpoint_digest(path).digest
 
 
 @dataclass
@@ -116,11 +180,11 @@ class ConnectorConfig:
 
     extra: dict  # kv_connector_extra_config
     groups: List[kvstride.GroupSpec]
-    fingerprint: str
+    fingerprint: str  # _fingerprint: the same on both sides; the value header's, with the geometry
     planner: kvstride.KeyPlanner  # this side's: the worker's rank, rank 0 on the scheduler
     rank_planners: List[kvstride.KeyPlanner]  # the scheduler's, one per TP rank it plans for
     tp_rank: int
-    secret: Optional[bytes]
+    secret: Optional[bytes] = field(repr=False)  # never printed
     store: StoreChoice  # which store, and what its kind decides for the rest
     world_size: int
     save_wait_s: float = DEFAULT_SAVE_WAIT_S  # the workers' engines' (kvstride.engine)
@@ -130,6 +194,9 @@ class ConnectorConfig:
     retention_interval: Optional[int] = 0
     # Requests one store call looks up: vLLM's max_num_seqs, the most one scheduling pass admits.
     lookup_batch: int = 256
+    # model_identity(): the scheduler's, in every key it plans; None on a worker, which writes
+    # and reads only the keys the scheduler sends it
+    model_identity: Optional[str] = None
 
 
 def check_admission(value) -> str:
@@ -163,6 +230,10 @@ def resolve_config(vllm_config, kv_cache_config, worker: bool) -> ConnectorConfi
     _refuse_unsupported_parallelism(pc)
     # Keys per TP rank (SEMANTICS §3), as many ranks as the store keys apart.
     store = choose_store(extra, kv_cache_config, max(1, int(getattr(pc, "tensor_parallel_size", 1) or 1)))
+    if store.kind == "mooncake":
+        check_strong_hash(vllm_config, extra)
+    identity = None if worker else model_identity(vllm_config, extra)
+    key_fingerprint = fp if identity is None else kvstride.layout_fingerprint({"config": fp, "model": identity})
     tp_size = store.keyed_ranks
     tp_rank = _tp_rank(pc, tp_size) if worker and tp_size > 1 else 0
 
@@ -170,7 +241,7 @@ def resolve_config(vllm_config, kv_cache_config, worker: bool) -> ConnectorConfi
         namespace = kvstride.Namespace(
             str(extra.get("model_id") or vllm_config.model_config.model),
             cache_prefix=extra.get("cache_prefix"),
-            fingerprint=fp,
+            fingerprint=key_fingerprint,
             tp_rank=rank,
         )
         return kvstride.KeyPlanner(
@@ -190,4 +261,5 @@ def resolve_config(vllm_config, kv_cache_config, worker: bool) -> ConnectorConfi
         put_linger_s=check_put_linger(extra.get("put_linger_s", DEFAULT_PUT_LINGER_S)),
         admission=check_admission(extra.get("admission", "kvstride")),
         retention_interval=None if retention is None else int(retention), lookup_batch=max(1, int(max_num_seqs)),
+        model_identity=identity,
     )

@@ -20,7 +20,7 @@ from kvstride.mooncake_config import parse_size, resolve_client_config
 from kvstride.stores import KVStore, MooncakeStore
 from kvstride.stores.placement import StorePlacement
 from kvstride.transfer import StagingPool, Transfer, header_room_for, staging_bytes_for
-from kvstride.vllm.checks import check_reproducible_hashes, warn_unauthenticated_store
+from kvstride.vllm.checks import check_reproducible_hashes, warn_secret_on_tcp, warn_unauthenticated_store
 
 __all__ = [
     "StoreChoice", "choose_store", "open_side_store", "engine_transfer",
@@ -58,7 +58,16 @@ def choose_store(extra: dict, kv_cache_config, tp_size: int) -> StoreChoice:
 def arena_slot_bytes(kv_cache_config) -> int:
     """An upper bound of one block's bytes on one rank, over every group: what the scheduler
     sizes the arena's slots by (each worker's slots are at most this large)."""
-    return max(int(g.kv_cache_spec.page_size_bytes) * len(g.layer_names) for g in kv_cache_config.kv_cache_groups)
+    return max(_group_page_bytes(g) for g in kv_cache_config.kv_cache_groups)
+
+
+def _group_page_bytes(group) -> int:
+    """One block's bytes over a group's layers (a ``UniformTypeKVCacheSpecs``' page is already
+    its layers' sum)."""
+    spec = group.kv_cache_spec
+    if isinstance(getattr(spec, "kv_cache_specs", None), dict):
+        return int(spec.page_size_bytes)
+    return int(spec.page_size_bytes) * len(group.layer_names)
 
 
 _STORES: Dict[Tuple[str, bytes], KVStore] = {}
@@ -133,6 +142,8 @@ def open_side_store(config, vllm_config, worker: bool):
     check_reproducible_hashes(vllm_config, shared=True)
     if config.secret is None:
         warn_unauthenticated_store()
+    elif resolve_client_config(config.extra).protocol == "tcp":
+        warn_secret_on_tcp()
     client = make_store(config.extra, bytes.fromhex(config.fingerprint), config.secret)
     return (client if worker else StorePlacement(client)), client
 

@@ -61,6 +61,8 @@ class WorkerSide(Outcomes):
     def register_kv_caches(self, kv_caches) -> None:
         cfg = self._kv_cache_config
         layout = KVLayout(kv_caches, [list(g.layer_names) for g in cfg.kv_cache_groups], num_blocks=int(cfg.num_blocks))
+        if hasattr(self.store, "bind_geometry"):  # a shared store: values of another memory layout are misses
+            self.store.bind_geometry(layout.fingerprint())
         step_tokens = int(self._vllm_config.scheduler_config.max_num_batched_tokens)
         transfer = engine_transfer(self.store, layout, self._extra, step_tokens, self.planner)
         self.engine = OffloadEngine(

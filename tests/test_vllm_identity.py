@@ -1,0 +1,209 @@
+"""The identity of stored KV at the connector's configuration: every setting that changes a
+block's bytes changes the keys the scheduler plans, the weights by the checkpoint's content;
+weak block hashes are refused on a shared store; the secret is never printed.
+
+No engine boots: vLLM's real KV-cache specs and config, with the model, cache and load settings
+that are compared given as plain attributes (the end-to-end case, a checkpoint replaced under
+its path between two engines on ``kvstride store serve``, is in ``test_vllm_serve.py``)."""
+
+from __future__ import annotations
+
+import logging
+import shutil
+import types
+
+import pytest
+
+pytest.importorskip("vllm")
+torch = pytest.importorskip("torch")
+
+from vllm.v1.kv_cache_interface import (  # noqa: E402
+    FullAttentionSpec,
+    KVCacheConfig,
+    KVCacheGroupSpec,
+    SlidingWindowSpec,
+    UniformTypeKVCacheSpecs,
+)
+
+import vllm_harness as harness  # noqa: E402
+from kvstride import identity  # noqa: E402
+from kvstride.secret import generate_secret_file, load_secret  # noqa: E402
+from kvstride.vllm import checks  # noqa: E402
+from kvstride.vllm.config import group_specs, resolve_config  # noqa: E402
+from kvstride.vllm.store_registry import arena_slot_bytes  # noqa: E402
+
+HASHES = [bytes([i]) * 32 for i in range(4)]
+
+
+class Records(logging.Handler):
+    """The warnings of kvstride's vLLM logger (the suite runs with pytest's logging plugin off)."""
+
+    def __init__(self):
+        super().__init__(logging.WARNING)
+        self.messages = []
+
+    def emit(self, record):
+        self.messages.append(record.getMessage())
+
+
+@pytest.fixture
+def warnings_seen():
+    handler, logger = Records(), logging.getLogger("kvstride.vllm")
+    logger.addHandler(handler)
+    try:
+        yield handler.messages
+    finally:
+        logger.removeHandler(handler)
+
+
+@pytest.fixture(scope="module")
+def llama_dir(tmp_path_factory):
+    return harness.llama(tmp_path_factory.mktemp("identity") / "llama")
+
+
+def vllm_config(path, extra=None, *, tp=1, algo="sha256_cbor", load_format="safetensors", **model):
+    model = dict(dict(model=str(path), revision=None, quantization=None, hf_overrides={}, dtype=torch.bfloat16), **model)
+    model_config = types.SimpleNamespace(**model, get_total_num_kv_heads=lambda: 2)
+    return types.SimpleNamespace(
+        model_config=model_config,
+        cache_config=types.SimpleNamespace(
+            cache_dtype=model.get("cache_dtype", "auto"), calculate_kv_scales=False, prefix_caching_hash_algo=algo,
+            mamba_cache_mode="none", prefix_cache_retention_interval=0,
+        ),
+        load_config=types.SimpleNamespace(load_format=load_format, download_dir=None),
+        parallel_config=types.SimpleNamespace(tensor_parallel_size=tp, world_size=tp, rank=0),
+        scheduler_config=types.SimpleNamespace(max_num_seqs=4),
+        kv_transfer_config=types.SimpleNamespace(kv_connector_extra_config=dict(extra or {"store": "mooncake"})),
+    )
+
+
+def kv_cache_config(spec=None, layers=("model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn")):
+    spec = spec or FullAttentionSpec(block_size=32, num_kv_heads=2, head_size=32, dtype=torch.bfloat16)
+    return KVCacheConfig(num_blocks=64, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(list(layers), spec)])
+
+
+def keys(config, worker=False, kv=None):
+    """The keys the scheduler (or a worker) would plan for four blocks of one request."""
+    resolved = resolve_config(config, kv or kv_cache_config(), worker=worker)
+    return resolved.planner.lookup_keys(HASHES, 4 * 32 + 1)
+
+
+def test_keys_change_with_everything_that_changes_the_kv_bytes(llama_dir, tmp_path):
+    """Revision, quantization, hf_overrides (rope scaling changes K), model and KV dtypes, the
+    operator's model_identity and the weights under the same path: each its own keys; the same
+    settings and bytes, the same keys."""
+    base = keys(vllm_config(llama_dir))
+    assert keys(vllm_config(llama_dir)) == base
+    variants = {
+        "revision": keys(vllm_config(llama_dir, revision="v2")),
+        "quantization": keys(vllm_config(llama_dir, quantization="fp8")),
+        "hf_overrides": keys(vllm_config(llama_dir, hf_overrides={"rope_scaling": {"rope_type": "linear", "factor": 2.0}})),
+        "dtype": keys(vllm_config(llama_dir, dtype=torch.float16)),
+        "kv dtype": keys(vllm_config(llama_dir, cache_dtype="fp8")),
+        "model_identity": keys(vllm_config(llama_dir, {"store": "mooncake", "model_identity": "release-7"})),
+    }
+    tuned = shutil.copytree(llama_dir, tmp_path / "llama")
+    before = keys(vllm_config(tuned))
+    harness.llama_finetuned(tuned)  # new weights, the same config, at the same path
+    variants["weights"] = keys(vllm_config(tuned))
+    assert variants["weights"] != before
+    for name, got in variants.items():
+        assert got != base, name
+        assert len(set(got) & set(base)) == 0, name
+
+
+def test_model_identity_replaces_the_weights_digest(llama_dir, tmp_path, monkeypatch):
+    """With ``model_identity`` the checkpoint is not read, and engines with the same tag share
+    keys whatever their weights; a bad tag is a ValueError naming it."""
+    tuned = harness.llama_finetuned(tmp_path / "tuned")
+    extra = {"store": "mooncake", "model_id": "prod", "model_identity": "release-7"}
+    monkeypatch.setattr(identity, "checkpoint_digest", None)  # any read would fail
+    assert keys(vllm_config(llama_dir, extra)) == keys(vllm_config(tuned, extra))
+    for bad in ("", "  ", 7):
+        with pytest.raises(ValueError, match="model_identity"):
+            keys(vllm_config(llama_dir, dict(extra, model_identity=bad)))
+
+
+def test_the_weights_are_read_by_the_scheduler_only(llama_dir, monkeypatch):
+    """Once per engine: the scheduler plans every rank's keys; the workers (one per rank) never
+    read the checkpoint."""
+    reads = []
+    real = identity.checkpoint_digest
+    monkeypatch.setattr("kvstride.vllm.config.checkpoint_digest", lambda *a, **k: reads.append(a) or real(*a, **k))
+    for worker in (True, True):
+        resolve_config(vllm_config(llama_dir, tp=2), kv_cache_config(), worker=worker)
+    assert reads == []
+    resolve_config(vllm_config(llama_dir, tp=2), kv_cache_config(), worker=False)
+    assert len(reads) == 1
+
+
+def test_a_checkpoint_not_on_this_host_is_named_in_one_warning(warnings_seen, monkeypatch):
+    monkeypatch.setattr("kvstride.vllm.config._warned_unverified", False)
+    for _ in range(2):
+        keys(vllm_config("no-such-org/no-such-model"))
+    assert len([m for m in warnings_seen if "model_identity" in m and "no-such-model" in m]) == 1
+
+
+def test_dummy_weights_are_identified_by_their_config(llama_dir, tmp_path):
+    empty = tmp_path / "config-only"
+    empty.mkdir()
+    shutil.copy(llama_dir + "/config.json", empty / "config.json")
+    a = keys(vllm_config(empty, load_format="dummy"))
+    assert a == keys(vllm_config(empty, load_format="dummy")) != keys(vllm_config(llama_dir))
+
+
+# ---- weak hashes ----------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def fresh_warnings(monkeypatch):
+    monkeypatch.setattr(checks, "_warned_weak", False)
+    monkeypatch.setenv("PYTHONHASHSEED", "0")
+
+
+@pytest.mark.parametrize("algo", ["xxhash", "xxhash_cbor"])
+def test_weak_hash_refused_on_a_shared_store(llama_dir, fresh_warnings, warnings_seen, algo):
+    with pytest.raises(ValueError, match="sha256_cbor.*allow_weak_hash"):
+        keys(vllm_config(llama_dir, algo=algo))
+    for _ in range(2):
+        keys(vllm_config(llama_dir, {"store": "mooncake", "allow_weak_hash": True}, algo=algo))
+    assert len([m for m in warnings_seen if "allow_weak_hash" in m]) == 1
+    keys(vllm_config(llama_dir, {"store": "embedded"}, algo=algo))  # one engine's own memory: no neighbour
+    with pytest.raises(ValueError, match="allow_weak_hash"):
+        keys(vllm_config(llama_dir, {"store": "mooncake", "allow_weak_hash": "yes"}, algo=algo))
+
+
+# ---- the secret ---------------------------------------------------------------------------------------
+
+
+def test_the_config_never_prints_the_secret(llama_dir, tmp_path):
+    path = tmp_path / "deploy.key"
+    generate_secret_file(path)
+    secret = load_secret(path)
+    extra = {"store": "mooncake", "secret_file": str(path)}
+    for worker in (False, True):
+        config = resolve_config(vllm_config(llama_dir, extra), kv_cache_config(), worker=worker)
+        assert config.secret == secret
+        text = (repr(config) + str(config)).encode()
+        for form in harness.secret_forms(secret):
+            assert form not in text
+
+
+# ---- UniformTypeKVCacheSpecs -------------------------------------------------------------------------------
+
+
+def test_uniform_type_specs_stand_for_their_layers(llama_dir):
+    """Layers of one attention type whose pages differ (other head counts) are one vLLM group
+    with a UniformTypeKVCacheSpecs: kvstride takes their type, block size and fewest heads."""
+    layers = ["a", "b"]
+    small = SlidingWindowSpec(block_size=32, num_kv_heads=1, head_size=32, dtype=torch.bfloat16, sliding_window=64)
+    large = SlidingWindowSpec(block_size=32, num_kv_heads=4, head_size=32, dtype=torch.bfloat16, sliding_window=64)
+    uniform = UniformTypeKVCacheSpecs(block_size=32, kv_cache_specs={"a": small, "b": large})
+    config = kv_cache_config(uniform, layers)
+    (spec,) = group_specs(config, vllm_config(llama_dir))
+    assert (spec.kind, spec.block_size, spec.window) == ("sliding_window", 32, 64)
+    assert arena_slot_bytes(config) == small.page_size_bytes + large.page_size_bytes
+    assert len(keys(vllm_config(llama_dir), kv=config)) == 4
+    # At TP=4 the model's 2 heads of layer "a" are shared by two ranks each, layer "b"'s are not.
+    with pytest.raises(ValueError, match="tensor_parallel_size=4"):
+        group_specs(config, vllm_config(llama_dir, tp=4))
