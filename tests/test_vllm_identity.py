@@ -207,3 +207,9 @@ def test_uniform_type_specs_stand_for_their_layers(llama_dir):
     # At TP=4 the model's 2 heads of layer "a" are shared by two ranks each, layer "b"'s are not.
     with pytest.raises(ValueError, match="tensor_parallel_size=4"):
         group_specs(config, vllm_config(llama_dir, tp=4))
+
+
+def test_the_embedded_store_reads_no_checkpoint(llama_dir, monkeypatch):
+    """The arena lives and dies with its engine: no other weights can meet its values."""
+    monkeypatch.setattr("kvstride.vllm.config.checkpoint_digest", None)  # any read would fail
+    assert resolve_config(vllm_config(llama_dir, {"store": "embedded"}), kv_cache_config(), worker=False).model_identity is None

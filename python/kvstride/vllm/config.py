@@ -194,8 +194,8 @@ class ConnectorConfig:
     retention_interval: Optional[int] = 0
     # Requests one store call looks up: vLLM's max_num_seqs, the most one scheduling pass admits.
     lookup_batch: int = 256
-    # model_identity(): the scheduler's, in every key it plans; None on a worker, which writes
-    # and reads only the keys the scheduler sends it
+    # model_identity(): the scheduler's, in every key it plans on a shared store; None on a
+    # worker, which writes and reads only the keys the scheduler sends it
     model_identity: Optional[str] = None
 
 
@@ -232,7 +232,9 @@ def resolve_config(vllm_config, kv_cache_config, worker: bool) -> ConnectorConfi
     store = choose_store(extra, kv_cache_config, max(1, int(getattr(pc, "tensor_parallel_size", 1) or 1)))
     if store.kind == "mooncake":
         check_strong_hash(vllm_config, extra)
-    identity = None if worker else model_identity(vllm_config, extra)
+    # Only a store other engines share can meet other weights (the arena lives and dies with its engine).
+    shared = store.kind == "mooncake" or "model_identity" in extra
+    identity = model_identity(vllm_config, extra) if shared and not worker else None
     key_fingerprint = fp if identity is None else kvstride.layout_fingerprint({"config": fp, "model": identity})
     tp_size = store.keyed_ranks
     tp_rank = _tp_rank(pc, tp_size) if worker and tp_size > 1 else 0
