@@ -359,3 +359,71 @@ def test_a_long_queue_is_looked_up_as_many_requests_at_a_time_as_a_pass_admits()
     finally:
         side.shutdown()
         store.close()
+
+
+def _idle_step():
+    """A step that schedules nothing (the one after the last request finished)."""
+    return SimpleNamespace(
+        scheduled_new_reqs=[], scheduled_cached_reqs=SimpleNamespace(req_ids=[], num_computed_tokens=[]),
+        num_scheduled_tokens={}, kv_connector_block_state=SimpleNamespace(get_block_ids=lambda rid: None,
+                                                                         boundary_state_offloads={}),
+        preempted_req_ids=set(), finished_req_ids=set(),
+    )
+
+
+def _mamba_shared_side():
+    """A scheduler side on a shared store (nothing in it), full attention and a Mamba group."""
+    groups = [kvstride.GroupSpec("full_attention", BLOCK), kvstride.GroupSpec("mamba", BLOCK, mamba_mode="align")]
+    S, H = kvstride.resolve_block_sizes(groups)
+    planner = kvstride.KeyPlanner(
+        groups, hash_block_size=H, scheduler_block_size=S, namespace=kvstride.Namespace("tails", fingerprint="00" * 8)
+    )
+    config = ConnectorConfig(
+        {"store": "mooncake"}, groups, "00" * 8, planner, [planner], 0, None, StoreChoice("mooncake", 1), 1
+    )
+    return planner, SchedulerSide(config, StorePlacement(CountingStore()))
+
+
+def _prefill_then_finish_with_tail(side, rid: str, blocks: int = 8):
+    """A prompt of ``blocks`` blocks and 5 tokens: its first ``blocks - 1`` blocks saved (and
+    reported), then it finishes with vLLM's partial-tail hand-off of its Mamba state at the last
+    whole block; returns (request, tables)."""
+    request = SimpleNamespace(request_id=rid, block_hashes=_hashes(blocks, rid.encode()),
+                              num_tokens=blocks * BLOCK + 5, num_prompt_tokens=blocks * BLOCK + 5)
+    side.on_new_request(request)
+    tables = [list(range(1, blocks + 2)), [40]]
+    _report(side, side.build_connector_meta(_prefill_step(request, (blocks - 1) * BLOCK, tables)).saves, ok=1)
+    assert side.register_finished_partial_tail(request, tables, [(1, 41, blocks * BLOCK)])
+    side.request_finished_all_groups(request, ())
+    return request, tables
+
+
+def test_a_finished_requests_tail_plans_the_tail_alone_and_leaves_no_state():
+    """The tail job after a request finished plans what its saves had not reached (the last
+    attention block and the Mamba state), not its whole prefix again; and once planned, no
+    state of the request is left."""
+    planner, side = _mamba_shared_side()
+    try:
+        request, tables = _prefill_then_finish_with_tail(side, "r")
+        meta = side.build_connector_meta(_idle_step())
+        assert meta.finished_tails == ["r"]
+        ((job, by_rank),) = meta.saves.items()
+        assert sorted((group, block) for _, group, block in by_rank[0]) == [(0, 8), (1, 41)]
+        _report(side, [job], ok=1)
+        assert "r" not in side.engine._requests
+    finally:
+        side.shutdown()
+
+
+def test_a_thousand_finished_requests_leave_no_state():
+    _, side = _mamba_shared_side()
+    try:
+        for i in range(1000):
+            _prefill_then_finish_with_tail(side, f"r{i}", blocks=2)
+            _report(side, side.build_connector_meta(_idle_step()).saves, ok=1)
+        assert len(side.engine._requests) == 0
+        per_request = ("_requests", "_waiting", "_found", "_looked_up_at", "_local", "_step_hits", "_admitted",
+                       "_stamps", "_worths", "_finished_tails", "_load_hits", "_pending_loads", "_loading", "_jobs")
+        assert {name: len(getattr(side, name)) for name in per_request if len(getattr(side, name))} == {}
+    finally:
+        side.shutdown()

@@ -212,9 +212,10 @@ class SchedulerSide(Outcomes):
             # Finished requests held for their tail are released all the same.
             meta.finished_tails = sorted(set(meta.finished_tails) | set(self._finished_tails))
             self._finished_tails.clear()
-        for rid in meta.finished_tails:  # their tails are planned: their ranks go
+        for rid in meta.finished_tails:  # their tails are planned: their ranks and offsets go
             self._stamps.pop(rid, None)
             self._worths.pop(rid, None)
+            self.engine.finish_request(rid)
         return meta
 
     # ---- loads --------------------------------------------------------------------------------
@@ -530,12 +531,14 @@ class SchedulerSide(Outcomes):
         self._step_hits.pop(rid, None)
         self._recompute.discard(rid)
         self._admitted.pop(rid, None)
-        if rid not in self._finished_tails:  # else its tail takes its rank: dropped once planned
+        # A tail to save takes the request's rank and saved offset (it plans from there, not
+        # the whole prefix again): both are dropped once the tail is planned.
+        if rid not in self._finished_tails:
             self._stamps.pop(rid, None)
             self._worths.pop(rid, None)
+            self.engine.finish_request(rid)
         self._found.pop(rid, None)
         self._looked_up_at.pop(rid, None)
-        self.engine.finish_request(rid)
         if self._pending_loads.pop(rid, None) is not None:  # never sent: nothing writes them
             self._loading.discard(rid)
         return rid in self._loading, None
