@@ -976,3 +976,16 @@ def test_bad_seconds_options_are_refused_at_construction(rig_factory, option, va
     rig = rig_factory("fa")
     with pytest.raises(ValueError, match=option):
         OffloadEngine(rig.planner, None, rig.store, **{option: value})
+
+
+def test_the_confirmed_offset_moves_across_contiguous_successes_only():
+    from kvstride.engine import _RequestState
+
+    state = _RequestState()
+    state.confirm(64, 128)  # past a gap: held back
+    state.confirm(192, 256)
+    assert state.offset == 0
+    state.confirm(0, 64)  # the gap filled: the first held range joins
+    assert state.offset == 128 and state.ahead == [(192, 256)]
+    state.confirm(0, 192)  # a load of the prefix: the rest joins
+    assert state.offset == 256 and state.ahead == []

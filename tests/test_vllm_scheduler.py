@@ -427,3 +427,51 @@ def test_a_thousand_finished_requests_leave_no_state():
         assert {name: len(getattr(side, name)) for name in per_request if len(getattr(side, name))} == {}
     finally:
         side.shutdown()
+
+
+def _report_outcome(side, job_ids, ok=0, bad=0, deferred=0) -> None:
+    reports = {job: [ok, bad, deferred] for job in job_ids}
+    side.update_connector_output(SimpleNamespace(
+        finished_recving=set(), failed_recving=set(), kv_connector_worker_meta=KVStrideWorkerMetadata(reports, []),
+    ))
+
+
+def test_the_saved_offset_never_skips_a_deferred_or_failed_range():
+    """Blocks 0-3 deferred, 4-7 stored, then the replan of 0-11 fails: the next save still
+    plans blocks 0-3 (the saved offset moves across contiguous successes only; before, it
+    jumped to block 8 and blocks 0-3 were never planned again while the offset claimed them)."""
+    groups = [kvstride.GroupSpec("full_attention", BLOCK)]
+    S, H = kvstride.resolve_block_sizes(groups)
+    planner = kvstride.KeyPlanner(
+        groups, hash_block_size=H, scheduler_block_size=S, namespace=kvstride.Namespace("holes", fingerprint="00" * 8)
+    )
+    config = ConnectorConfig({"store": "mooncake"}, groups, "00" * 8, planner, [planner], 0, None,
+                             StoreChoice("mooncake", 1), 1)
+    side = SchedulerSide(config, StorePlacement(CountingStore()))
+    try:
+        request = SimpleNamespace(request_id="r", block_hashes=_hashes(16, b"holes"), num_tokens=16 * BLOCK,
+                                  num_prompt_tokens=16 * BLOCK)
+        side.on_new_request(request)
+        tables = [list(range(1, 17))]
+
+        def step(computed, blocks):
+            meta = side.build_connector_meta(_step(request, computed, blocks * BLOCK, tables))
+            ((job, by_rank),) = meta.saves.items()
+            return job, sorted(block for _, _, block in by_rank[0])
+
+        first, blocks = step(0, 4)
+        assert blocks == [1, 2, 3, 4]
+        second, blocks = step(4 * BLOCK, 4)
+        assert blocks == [5, 6, 7, 8]
+        _report_outcome(side, [first], deferred=1)
+        _report_outcome(side, [second], ok=1)
+        third, blocks = step(8 * BLOCK, 4)  # plans the deferred blocks again, with its own
+        assert blocks[:4] == [1, 2, 3, 4] and blocks[-4:] == [9, 10, 11, 12]
+        _report_outcome(side, [third], bad=1)
+        fourth, blocks = step(12 * BLOCK, 4)
+        assert blocks[:4] == [1, 2, 3, 4], blocks
+        _report_outcome(side, [fourth], ok=1)
+        (state,) = side.engine.request_states(["r"])
+        assert state.offset == 16 * BLOCK and not state.ahead
+    finally:
+        side.shutdown()

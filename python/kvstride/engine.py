@@ -103,11 +103,24 @@ class _RequestState:
     updates a detached object (never a later request that reuses the id, and never a leaked
     entry)."""
 
-    __slots__ = ("offset", "planned")
+    __slots__ = ("offset", "planned", "ahead")
 
     def __init__(self) -> None:
         self.offset = 0
         self.planned = 0
+        self.ahead: List[Tuple[int, int]] = []  # saved ranges above ``offset``, past a gap
+
+    def confirm(self, start: int, end: int) -> None:
+        """A save of ``[start, end)`` succeeded: ``offset`` moves across contiguous successes
+        only, so a deferred or failed range below a later success stays below it and is planned
+        again (from ``offset``); the later success counts once the gap is filled."""
+        if start > self.offset:
+            self.ahead.append((start, end))
+            return
+        self.offset = max(self.offset, end)
+        self.ahead.sort()
+        while self.ahead and self.ahead[0][0] <= self.offset:
+            self.offset = max(self.offset, self.ahead.pop(0)[1])
 
 
 @dataclass
@@ -128,6 +141,7 @@ class _SaveJob:
     saves: List[SaveRequest]
     states: List[_RequestState]  # one per save
     ends: List[int]  # the save end of each save
+    starts: List[int] = field(default_factory=list)  # where each save's plan started (its planned offset)
     owners: Dict[str, List[str]] = field(default_factory=dict)  # key -> req ids waiting for it
     failed: set = field(default_factory=set)  # req ids with a put that failed or was refused
     deferred: set = field(default_factory=set)  # req ids with puts left to a later step
@@ -441,7 +455,7 @@ class OffloadEngine:
             if not saves:
                 return step
             states = [self._requests.setdefault(save.req_id, _RequestState()) for save in saves]
-        job = _SaveJob(step, saves, states, [0] * len(saves))
+        job = _SaveJob(step, saves, states, [0] * len(saves), starts=[0] * len(saves))
         # The copy into a direct store is the whole save.
         self._run_save_job(job, self._save_direct if self.direct else self._stage_saves, [s.req_id for s in saves])
         return step
@@ -804,6 +818,10 @@ class OffloadEngine:
             entries = [e for e, p in zip(entries, present) if not p]
         return entries, owners, ends, failed, tail_keys
 
+    def _starts(self, states) -> List[int]:
+        with self._lock:
+            return [state.planned for state in states]
+
     def request_states(self, req_ids: Sequence[str]) -> List["_RequestState"]:
         with self._lock:
             return [self._requests.setdefault(rid, _RequestState()) for rid in req_ids]
@@ -813,6 +831,7 @@ class OffloadEngine:
         and copy the remaining blocks into staging batch by batch, each handed to the save
         lane at once. While the pool is full, wait for staged batches to be put while the store
         keeps up (``_save_room_coming``); once it has stalled, defer the rest."""
+        job.starts = self._starts(job.states)
         entries, job.owners, job.ends, job.failed, job.tail_keys = self._plan_saves(job.saves, job.states, self.store.exists)
         self._stage_entries(job, entries)
 
@@ -913,6 +932,7 @@ class OffloadEngine:
 
     def _save_direct(self, job: _SaveJob) -> None:
         """Plan ``job``'s saves and copy their blocks straight into the store."""
+        job.starts = self._starts(job.states)
         entries, job.owners, job.ends, job.failed = self.plan_saves(job.saves, job.states, self.store.exists)
         self._put_direct(job, entries)
 
@@ -962,7 +982,7 @@ class OffloadEngine:
 
     def _finish_saves(self, job: _SaveJob) -> None:
         with self._lock:
-            for save, state, end in zip(job.saves, job.states, job.ends):
+            for save, state, start, end in zip(job.saves, job.states, job.starts, job.ends):
                 self._finished.saves_done.add(save.req_id)
                 if save.req_id in job.failed:
                     self._finished.saves_failed.add(save.req_id)
@@ -971,7 +991,7 @@ class OffloadEngine:
                 elif save.req_id in job.deferred:  # planned already went back at deferral
                     self._finished.saves_deferred.add(save.req_id)
                 else:
-                    state.offset = max(state.offset, end)
+                    state.confirm(start, end)
                     self.counters["saves_ok"] += 1
             if job.job_id is not None:
                 self._finished.jobs_done[job.job_id] = "failed" if job.failed else "deferred" if job.deferred else "ok"
@@ -1067,6 +1087,6 @@ class OffloadEngine:
                     # The loaded prefix is in the store: this request's saves start after it.
                     # (The state captured at submit: a finished request's is detached.)
                     done_to = self.planner.saved_offset_after_load(load.hit_tokens)
-                    state.offset = max(state.offset, done_to)
+                    state.confirm(0, done_to)
                     state.planned = max(state.planned, done_to)
         self._time("load_job", time.perf_counter() - start_time)

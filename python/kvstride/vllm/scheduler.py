@@ -59,6 +59,7 @@ class _SaveJob:
     ends: List[int]
     failed: set  # req ids whose save is already known to be incomplete
     step: int  # the scheduler step that planned it
+    starts: List[int]  # where each save's plan started (its request's planned offset)
     ok: int = 0  # ranks that wrote every key
     bad: int = 0  # ranks that failed
     deferred: int = 0  # ranks that left some keys to a later step
@@ -266,7 +267,7 @@ class SchedulerSide(Outcomes):
                 continue
             (state,) = self.engine.request_states([rid])
             done_to = self.planner.saved_offset_after_load(hit)
-            state.offset = max(state.offset, done_to)
+            state.confirm(0, done_to)
             state.planned = max(state.planned, done_to)
 
     # ---- saves --------------------------------------------------------------------------------
@@ -304,7 +305,7 @@ class SchedulerSide(Outcomes):
         if refused:
             self.engine.count("put_full", len(refused))
             failed.update(rid for key in refused for rid in owners[key])
-        job = _SaveJob(keys, owners, saves, states, ends, failed, self._step)
+        job = _SaveJob(keys, owners, saves, states, ends, failed, self._step, start)
         for save, state, planned, end in zip(saves, states, start, ends):
             # A failed save plans its missing blocks again next step.
             state.planned = planned if save.req_id in failed else max(planned, end)
@@ -386,14 +387,14 @@ class SchedulerSide(Outcomes):
             self._finish_job(job)
 
     def _finish_job(self, job: "_SaveJob") -> None:
-        for save, state, end in zip(job.saves, job.states, job.ends):
+        for save, state, start, end in zip(job.saves, job.states, job.starts, job.ends):
             if job.deferred and save.req_id not in job.failed:
                 state.planned = state.offset  # a rank left some to later (counted there): planned again
             elif save.req_id in job.failed:
                 state.planned = state.offset
                 self.engine.count("saves_failed")
             else:
-                state.offset = max(state.offset, end)
+                state.confirm(start, end)
                 self.engine.count("saves_ok")
 
     def _build_saves(self, so, meta: KVStrideMetadata) -> List[SaveRequest]:
