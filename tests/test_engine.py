@@ -989,3 +989,48 @@ def test_the_confirmed_offset_moves_across_contiguous_successes_only():
     assert state.offset == 128 and state.ahead == [(192, 256)]
     state.confirm(0, 192)  # a load of the prefix: the rest joins
     assert state.offset == 256 and state.ahead == []
+
+
+def test_a_store_that_never_answers_costs_each_load_its_deadline(rig_factory):
+    """A get that does not return: the load, and the one queued behind it, are reported failed
+    at their deadline (their requests recompute and free their blocks); when the store answers
+    at last, its bytes reach no KV block and nothing is reported twice."""
+    rig, spy = spy_rig(rig_factory, "fa")
+    rig.engine.load_timeout_s = 0.3
+    n = 80
+    tokens, hashes, tables, _ = rig.source_request(n)
+    rig.run(saves=[SaveRequest("r", hashes, tables, n)])
+    hit = rig.engine.lookup([("q", hashes, n + 1)])["q"]
+    assert hit == n
+    answer = threading.Event()
+
+    def hung_get(keys, buffers):
+        answer.wait(30)
+        return spy.inner.get(keys, buffers)  # the right bytes, too late
+
+    spy.get_hook = hung_get
+    destinations = {rid: rig.destination(n) for rid in ("a", "b")}
+    for rid, dst in destinations.items():
+        rig.engine.submit(loads=[LoadRequest(rid, hashes, dst, hit)])
+    done, failed, until = set(), {}, time.monotonic() + 10
+    while done != {"a", "b"} and time.monotonic() < until:
+        finished = rig.engine.get_finished()
+        done |= finished.loads_done
+        failed.update(finished.loads_failed)
+        time.sleep(0.02)
+    assert done == {"a", "b"} and set(failed) == {"a", "b"}
+    assert rig.engine.counters["loads_timed_out"] == 2
+    answer.set()
+    assert rig.engine.wait_idle(30)
+    late = rig.engine.get_finished()
+    assert not late.loads_done and not late.loads_failed
+    for dst in destinations.values():
+        for g, table in enumerate(dst):
+            for b in table:
+                assert rig.block(g, b) == bytes([SENTINEL]) * len(rig.block(g, b)), f"a late get wrote block {b}"
+
+
+def test_load_timeout_must_be_positive():
+    for bad in (0, -1, "soon", float("inf"), True):
+        with pytest.raises(ValueError, match="load_timeout_s"):
+            OffloadEngine(None, None, None, load_timeout_s=bad)

@@ -130,6 +130,9 @@ class _LoadJob:
     states: List[Optional[_RequestState]]  # one per load, captured at submit (None: planned elsewhere)
     after: object = None  # CUDA: an event on the caller's stream that the scatters follow
     planned: Optional[Dict[str, List[Tuple[str, int, int]]]] = None  # req id -> its gets, planned elsewhere
+    deadline: float = float("inf")  # time.monotonic() past which its loads are reported failed
+    abandoned: bool = False  # reported failed at its deadline: nothing of it may reach a KV block
+    scattering: bool = False  # copying into KV blocks now: not abandoned until that ends
 
 
 @dataclass
@@ -165,6 +168,10 @@ _STOP = object()
 
 #: Durations kept per operation for percentiles.
 TIMINGS_KEPT = 10_000
+
+#: How long a load may take from its submit until it is reported failed (its request recomputes):
+#: a store that hangs costs each request at most this. A 2 GiB load over 1 GB/s TCP takes 2 s.
+DEFAULT_LOAD_TIMEOUT_S = 10.0
 
 #: How long a save lane's put may run before the store counts as stalled: a step that finds the
 #: staging pool full waits for room while the running put is younger, and defers after.
@@ -207,6 +214,15 @@ def check_save_wait(value) -> float:
                           "instead of waiting")
 
 
+def check_load_timeout(value) -> float:
+    """``load_timeout_s`` as seconds, or ``ValueError`` naming it."""
+    seconds = _check_seconds("load_timeout_s", value, "how long a load may take before its request recomputes")
+    if seconds <= 0:
+        raise ValueError(f"load_timeout_s must be > 0 seconds (how long a load may take before its request "
+                         f"recomputes), got {value!r}")
+    return seconds
+
+
 def check_put_linger(value) -> float:
     """``put_linger_s`` as seconds, or ``ValueError`` naming it."""
     return _check_seconds("put_linger_s", value, "how long the save lane waits for more puts to make one store "
@@ -232,9 +248,12 @@ class OffloadEngine:
         name: str = "kvstride-engine",
         save_wait_s: float = DEFAULT_SAVE_WAIT_S,
         put_linger_s: float = DEFAULT_PUT_LINGER_S,
+        load_timeout_s: float = DEFAULT_LOAD_TIMEOUT_S,
     ) -> None:
         self.save_wait_s = check_save_wait(save_wait_s)
         self.put_linger_s = check_put_linger(put_linger_s)
+        self.load_timeout_s = check_load_timeout(load_timeout_s)
+        self._loads_out: List[_LoadJob] = []  # queued or running, for their deadline
         self.planner = planner
         self.store = store
         if isinstance(transfer, KVLayout):
@@ -451,7 +470,7 @@ class OffloadEngine:
                 return step
             if loads:
                 states = [self._requests.setdefault(load.req_id, _RequestState()) for load in loads]
-                self._load_queue.put(_LoadJob(step, loads, states, self._caller_stream_event()))
+                self._queue_load(_LoadJob(step, loads, states, self._caller_stream_event()))
             if not saves:
                 return step
             states = [self._requests.setdefault(save.req_id, _RequestState()) for save in saves]
@@ -487,7 +506,7 @@ class OffloadEngine:
                 return step
             if gets:
                 loads = [LoadRequest(req_id, (), (), 0) for req_id in gets]
-                self._load_queue.put(_LoadJob(step, loads, [None] * len(loads), self._caller_stream_event(), planned=gets))
+                self._queue_load(_LoadJob(step, loads, [None] * len(loads), self._caller_stream_event(), planned=gets))
         for job_id, entries in puts.items():
             job = _SaveJob(step, [], [], [], job_id=job_id)
             self._run_save_job(job, functools.partial(self._execute_planned, entries=entries), [job_id])
@@ -530,10 +549,46 @@ class OffloadEngine:
         if finished:
             self._finish_saves(job)
 
+    def _queue_load(self, job: _LoadJob) -> None:
+        """(Under the lock) hand ``job`` to the load lane, with its deadline."""
+        job.deadline = time.monotonic() + self.load_timeout_s
+        self._loads_out.append(job)
+        self._load_queue.put(job)
+
     def get_finished(self) -> Finished:
         with self._lock:
+            self._expire_loads()
             done, self._finished = self._finished, Finished()
         return done
+
+    def _expire_loads(self) -> None:
+        """(Under the lock) report the loads past their deadline failed, so their requests
+        recompute and free their blocks; the lane drops whatever of them it still gets."""
+        now = time.monotonic()
+        for job in self._loads_out:
+            if job.deadline > now or job.abandoned or job.scattering:
+                continue  # a scatter in progress is a memory copy: it ends, then the job expires
+            job.abandoned = True
+            for load in job.loads:
+                self._finished.loads_done.add(load.req_id)
+                self._finished.loads_failed[load.req_id] = self._all_blocks(load)
+            self.count("loads_timed_out", len(job.loads))
+            self._log_once("load-timeout", "loads not done within load_timeout_s=%gs are recomputed (the store "
+                           "may hang); what they get later is dropped", self.load_timeout_s)
+        self._loads_out = [job for job in self._loads_out if not job.abandoned]
+
+    def _begin_scatter(self, job: _LoadJob) -> bool:
+        """Whether ``job`` may write KV blocks now (not abandoned at its deadline); it then
+        cannot be abandoned until ``_end_scatter``."""
+        with self._lock:
+            if job.abandoned:
+                return False
+            job.scattering = True
+            return True
+
+    def _end_scatter(self, job: _LoadJob) -> None:
+        with self._lock:
+            job.scattering = False
 
     def wait_idle(self, timeout: Optional[float] = None) -> bool:
         """Block until every submitted job ran (puts at once: ``flush_puts``); False on timeout."""
@@ -640,9 +695,18 @@ class OffloadEngine:
             self._log_once("load-bug", "load job of step %d failed: %r", job.step, err)
             self.count("load_job_errors")
             with self._lock:
+                if not self._load_over(job):
+                    return
                 for load in job.loads:
                     self._finished.loads_done.add(load.req_id)
                     self._finished.loads_failed[load.req_id] = self._all_blocks(load)
+
+    def _load_over(self, job: _LoadJob) -> bool:
+        """(Under the lock) ``job`` leaves the loads out; whether it is still to be reported
+        (not already reported failed at its deadline)."""
+        if job in self._loads_out:
+            self._loads_out.remove(job)
+        return not job.abandoned
 
     def _execute_puts(self, items: List[_PutBatch]) -> None:
         with self._lock:
@@ -996,17 +1060,25 @@ class OffloadEngine:
             if job.job_id is not None:
                 self._finished.jobs_done[job.job_id] = "failed" if job.failed else "deferred" if job.deferred else "ok"
 
-    def _fetch(self, entries: List[Tuple[str, int, int]], after=None):
+    def _fetch(self, entries: List[Tuple[str, int, int]], job: _LoadJob):
         """Read ``entries`` into their destination blocks (only those whose status is OK are
-        written; on CUDA after the event ``after``), as runs of (entries, statuses)."""
+        written; on CUDA after the event ``job.after``; nothing once ``job`` is past its
+        deadline), as runs of (entries, statuses)."""
+        after = job.after
         if self.direct:
             if entries:
-                if after is not None:
-                    self.layout.wait_event(after)
-                keys, groups, block_ids = zip(*entries)
-                get_start = time.perf_counter()
-                statuses = self._statuses(self.store.load_blocks(keys, groups, block_ids), len(keys))
-                self._time("get", time.perf_counter() - get_start)
+                if not self._begin_scatter(job):
+                    yield entries, [Status.UNAVAILABLE] * len(entries)
+                    return
+                try:
+                    if after is not None:
+                        self.layout.wait_event(after)
+                    keys, groups, block_ids = zip(*entries)
+                    get_start = time.perf_counter()
+                    statuses = self._statuses(self.store.load_blocks(keys, groups, block_ids), len(keys))
+                    self._time("get", time.perf_counter() - get_start)
+                finally:
+                    self._end_scatter(job)
                 yield entries, statuses
             return
 
@@ -1027,16 +1099,28 @@ class OffloadEngine:
                     expected = [0] * len(keys)
                     statuses = self._statuses(self.store.get(keys, values, digests_out=expected, **options), len(keys))
                     self._time("get", time.perf_counter() - get_start)
-                    ok = [status is Status.OK for status in statuses]
-                    self.transfer.scatter(batch, ok=ok, expected=expected).wait()
-                    bad = [i for i, (good, written) in enumerate(zip(ok, batch.verified)) if good and not written]
-                    for i in bad:
-                        statuses[i] = Status.CORRUPT
-                    self.store.corrupt([keys[i] for i in bad])
+                    if self._begin_scatter(job):
+                        try:
+                            ok = [status is Status.OK for status in statuses]
+                            self.transfer.scatter(batch, ok=ok, expected=expected).wait()
+                        finally:
+                            self._end_scatter(job)
+                        bad = [i for i, (good, written) in enumerate(zip(ok, batch.verified)) if good and not written]
+                        for i in bad:
+                            statuses[i] = Status.CORRUPT
+                        self.store.corrupt([keys[i] for i in bad])
+                    else:  # past its deadline: its request recomputes, maybe in these blocks already
+                        statuses = [Status.UNAVAILABLE] * len(keys)
                 else:
                     statuses = self._statuses(self.store.get(keys, values, **options), len(keys))
                     self._time("get", time.perf_counter() - get_start)
-                    self.transfer.scatter(batch, ok=[status is Status.OK for status in statuses], after=after).wait()
+                    if self._begin_scatter(job):
+                        try:
+                            self.transfer.scatter(batch, ok=[status is Status.OK for status in statuses], after=after).wait()
+                        finally:
+                            self._end_scatter(job)
+                    else:  # past its deadline: its request recomputes, maybe in these blocks already
+                        statuses = [Status.UNAVAILABLE] * len(keys)
             finally:
                 self._release_batch(batch)
             yield batch_entries, statuses
@@ -1068,13 +1152,17 @@ class OffloadEngine:
                 entries.append(entry)
                 owner.append(load.req_id)
         position = 0
-        for batch_entries, statuses in self._fetch(entries, job.after):
+        for batch_entries, statuses in self._fetch(entries, job):
+            if job.abandoned:  # reported failed at its deadline: what it got since is not counted
+                continue
             self._count_outcomes("get", batch_entries, statuses, "bytes_loaded")
             for i, ((key, group, block_id), status) in enumerate(zip(batch_entries, statuses)):
                 if status is not Status.OK:
                     failed.setdefault(owner[position + i], set()).add((group, block_id))
             position += len(batch_entries)
         with self._lock:
+            if not self._load_over(job):
+                return
             for load, state in zip(job.loads, job.states):
                 self._finished.loads_done.add(load.req_id)
                 if load.req_id in failed:

@@ -11,7 +11,14 @@ from typing import List, Optional
 
 import kvstride
 from kvstride.identity import checkpoint_digest, local_checkpoint, plain
-from kvstride.engine import DEFAULT_PUT_LINGER_S, DEFAULT_SAVE_WAIT_S, check_put_linger, check_save_wait
+from kvstride.engine import (
+    DEFAULT_LOAD_TIMEOUT_S,
+    DEFAULT_PUT_LINGER_S,
+    DEFAULT_SAVE_WAIT_S,
+    check_load_timeout,
+    check_put_linger,
+    check_save_wait,
+)
 from kvstride.secret import load_secret
 from kvstride.vllm.checks import check_strong_hash
 from kvstride.vllm.store_registry import StoreChoice, choose_store
@@ -189,6 +196,7 @@ class ConnectorConfig:
     world_size: int
     save_wait_s: float = DEFAULT_SAVE_WAIT_S  # the workers' engines' (kvstride.engine)
     put_linger_s: float = DEFAULT_PUT_LINGER_S  # the workers' engines' (kvstride.engine)
+    load_timeout_s: float = DEFAULT_LOAD_TIMEOUT_S  # the workers' engines' (kvstride.engine)
     admission: str = "kvstride"  # one of ADMISSION_POLICIES
     # vLLM's prefix_cache_retention_interval: None dense checkpoints, 0 semantic only, T > 0 every T
     retention_interval: Optional[int] = 0
@@ -261,6 +269,7 @@ def resolve_config(vllm_config, kv_cache_config, worker: bool) -> ConnectorConfi
     return ConnectorConfig(
         extra, groups, fp, planner, rank_planners, tp_rank, secret, store, world_size, save_wait_s,
         put_linger_s=check_put_linger(extra.get("put_linger_s", DEFAULT_PUT_LINGER_S)),
+        load_timeout_s=check_load_timeout(extra.get("load_timeout_s", DEFAULT_LOAD_TIMEOUT_S)),
         admission=check_admission(extra.get("admission", "kvstride")),
         retention_interval=None if retention is None else int(retention), lookup_batch=max(1, int(max_num_seqs)),
         model_identity=identity,

@@ -43,6 +43,7 @@ class WorkerSide(Outcomes):
         self._extra = config.extra
         self._save_wait_s = config.save_wait_s
         self._put_linger_s = config.put_linger_s
+        self._load_timeout_s = config.load_timeout_s
         self._vllm_config = vllm_config
         self._kv_cache_config = kv_cache_config
         self.engine: Optional[OffloadEngine] = None  # once the KV caches are registered
@@ -67,7 +68,7 @@ class WorkerSide(Outcomes):
         transfer = engine_transfer(self.store, layout, self._extra, step_tokens, self.planner)
         self.engine = OffloadEngine(
             self.planner, transfer, self.store, name="kvstride-worker", save_wait_s=self._save_wait_s,
-            put_linger_s=self._put_linger_s,
+            put_linger_s=self._put_linger_s, load_timeout_s=self._load_timeout_s,
         )
 
     def start_load_kv(self, meta: Optional[KVStrideMetadata]) -> None:
