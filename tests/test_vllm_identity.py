@@ -213,3 +213,12 @@ def test_the_embedded_store_reads_no_checkpoint(llama_dir, monkeypatch):
     """The arena lives and dies with its engine: no other weights can meet its values."""
     monkeypatch.setattr("kvstride.vllm.config.checkpoint_digest", None)  # any read would fail
     assert resolve_config(vllm_config(llama_dir, {"store": "embedded"}), kv_cache_config(), worker=False).model_identity is None
+
+
+def test_an_unknown_key_is_refused_naming_the_nearest(llama_dir):
+    """A misspelled secret_file would run a shared store unauthenticated; a key of a feature
+    this connector lacks would do nothing: both are refused at construction."""
+    with pytest.raises(ValueError, match="unknown key 'secret_flie': did you mean 'secret_file'"):
+        keys(vllm_config(llama_dir, {"store": "mooncake", "secret_flie": "/etc/kvstride/deploy.key"}))
+    with pytest.raises(ValueError, match="unknown key 'no_such_option'"):
+        keys(vllm_config(llama_dir, {"store": "embedded", "no_such_option": 1}))

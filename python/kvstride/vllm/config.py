@@ -5,12 +5,14 @@ Configuration that cannot work is a ``ValueError`` here, at construction."""
 
 from __future__ import annotations
 
+import difflib
 import logging
 from dataclasses import dataclass, field
 from typing import List, Optional
 
 import kvstride
 from kvstride.identity import checkpoint_digest, local_checkpoint, plain
+from kvstride.mooncake_config import OVERRIDE_KEYS
 from kvstride.engine import (
     DEFAULT_LOAD_TIMEOUT_S,
     DEFAULT_PUT_LINGER_S,
@@ -25,6 +27,7 @@ from kvstride.vllm.store_registry import StoreChoice, choose_store
 
 __all__ = [
     "ConnectorConfig", "resolve_config", "group_specs", "model_identity", "ADMISSION_POLICIES", "check_admission",
+    "KNOWN_KEYS", "check_known_keys",
 ]
 
 log = logging.getLogger("kvstride.vllm")
@@ -33,6 +36,26 @@ log = logging.getLogger("kvstride.vllm")
 #: where a later lookup can hit (SEMANTICS §8, under vLLM's ``prefix_cache_retention_interval``);
 #: ``dense`` keeps every window tail, whatever the retention.
 ADMISSION_POLICIES = ("kvstride", "dense")
+
+#: Every ``kv_connector_extra_config`` key the connector reads (README lists them): any other
+#: is refused, so that a misspelled ``secret_file`` never runs a shared store unauthenticated.
+KNOWN_KEYS = frozenset({
+    "store", "store_bytes", "staging_bytes", "save_wait_s", "put_linger_s", "load_timeout_s", "admission",
+    "store_name", "model_id", "model_identity", "allow_weak_hash", "cache_prefix", "secret_file", *OVERRIDE_KEYS,
+})
+
+
+def check_known_keys(extra: dict) -> None:
+    """``ValueError`` naming the first key of ``extra`` the connector does not read, and the
+    nearest one it does."""
+    for key in sorted(map(str, extra)):
+        if key not in KNOWN_KEYS:
+            near = difflib.get_close_matches(key, sorted(KNOWN_KEYS), n=1, cutoff=0.5)
+            hint = f"did you mean {near[0]!r}? " if near else ""
+            raise ValueError(
+                f"kv_connector_extra_config has an unknown key {key!r}: {hint}the connector reads "
+                f"{', '.join(sorted(KNOWN_KEYS))} (README: kv_connector_extra_config)"
+            )
 
 
 def group_specs(kv_cache_config, vllm_config) -> List[kvstride.GroupSpec]:
@@ -220,6 +243,7 @@ def check_admission(value) -> str:
 def resolve_config(vllm_config, kv_cache_config, worker: bool) -> ConnectorConfig:
     """The connector's configuration for one side (``worker``: this process holds KV tensors)."""
     extra = dict(vllm_config.kv_transfer_config.kv_connector_extra_config or {})
+    check_known_keys(extra)
     # The deployment key (issue 17): keyed store keys and, on Mooncake, a MAC on every value.
     # A missing, unreadable, group/other-readable or weak file is a ValueError naming it.
     secret_file = extra.get("secret_file")
