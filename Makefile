@@ -3,8 +3,9 @@
 PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python
-# torch: the CPU build in ../shared/wheels when present (PyPI has only CUDA builds).
-export PIP_FIND_LINKS ?= $(abspath ../shared/wheels)
+# torch: the CPU build in ../shared/wheels when present (PyPI has only CUDA builds), whatever
+# PIP_FIND_LINKS the environment brings (its links are kept, after it).
+export PIP_FIND_LINKS := $(strip $(abspath ../shared/wheels) $(PIP_FIND_LINKS))
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
 PY_DEPS := "numpy>=1.22" "torch==2.13.*" "xxhash>=3" "tqdm>=4" "matplotlib>=3.5" \

@@ -51,9 +51,11 @@ def main() -> int:
                 kv[name] = torch.randn(2, num_blocks[g], spec.block_size, heads, dim, dtype=torch.bfloat16, device=device)
         names.append(layer_names)
     layout = KVLayout(kv, names)
-    # Slots are as large as the largest block: room for every block of every request.
+    # Slots are as large as the largest block: room for every stored block of every request (the
+    # scratch ring's blocks are never stored).
     largest = max(g.block_bytes for g in layout.groups)
-    store = EmbeddedStore(2 * args.requests * sum(per_request) * largest)
+    stored = sum(n for n, keyed in zip(per_request, planner.hashes_per_block) if keyed)
+    store = EmbeddedStore(2 * args.requests * stored * largest)
     engine = OffloadEngine(planner, layout, store)  # blocks go straight between the GPU and pinned slots
     hasher = kvstride.BlockHasher(seed="0")
     gen = torch.Generator().manual_seed(0)

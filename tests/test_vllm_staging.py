@@ -37,3 +37,37 @@ def test_the_connectors_default_pool_lets_the_save_lane_trail_the_steps(rig):
             assert engine.lookup([("q", hashes, BLOCK + 1)])["q"] == BLOCK
     finally:
         engine.shutdown()
+
+
+def test_the_default_pool_is_capped_and_logged(rig, monkeypatch):
+    """Eight steps of a large prefill would pin many GiB on every rank: the default stops at
+    STAGING_CAP_BYTES (here shrunk to a few blocks' worth, so the test pins little), larger steps
+    stream through it, and the size chosen is logged."""
+    import logging
+
+    from kvstride.vllm import store_registry
+
+    uncapped = engine_transfer(rig.store, rig.layout, {}, 64 * BLOCK, rig.planner).pool.capacity
+    monkeypatch.setattr(store_registry, "STAGING_CAP_BYTES", uncapped // 16)
+    messages = []
+    handler = logging.Handler(logging.INFO)
+    handler.emit = lambda record: messages.append(record.getMessage())
+    logger = logging.getLogger("kvstride.vllm")
+    level = logger.level
+    logger.setLevel(logging.INFO)
+    logger.addHandler(handler)
+    try:
+        transfer = engine_transfer(rig.store, rig.layout, {}, 64 * BLOCK, rig.planner)
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+    assert transfer.pool.capacity <= uncapped // 16 + (1 << 20)
+    assert any("staging pool" in m and "capped" in m for m in messages), messages
+    engine = OffloadEngine(rig.planner, transfer, rig.store)
+    try:  # a prefill larger than the pool still saves, batch by batch
+        hashes, table = rig.request(32)
+        engine.submit(saves=[SaveRequest("big", hashes, [table], 32 * BLOCK)])
+        assert engine.wait_idle(60)
+        assert engine.counters["saves_ok"] == 1 and not engine.counters["saves_deferred"], engine.counters
+    finally:
+        engine.shutdown()

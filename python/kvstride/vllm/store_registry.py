@@ -155,19 +155,30 @@ def open_side_store(config, vllm_config, worker: bool):
 #: a window block that left vLLM's window meanwhile cannot be.
 STEPS_STAGED = 8
 
+#: The default staging pool's size at most, per rank: pinned and registered host memory (eight
+#: 8k-token steps of an 8B model would be 10.7 GiB). A step that saves more streams through it.
+STAGING_CAP_BYTES = 2 << 30
+
 
 def engine_transfer(store, layout, extra: dict, step_tokens: int, planner):
     """What a worker's engine moves blocks with: the layout alone for a store that copies
     blocks itself (the arena's slots), else a staging pool registered with the store, sized
     by ``staging_bytes`` or, by default, what ``STEPS_STAGED`` full steps of ``step_tokens``
-    can save plus the loads' share."""
+    can save plus the loads' share, capped at ``STAGING_CAP_BYTES``; the size is logged."""
     if hasattr(store, "bind_layout"):
         return layout
     if "staging_bytes" in extra:
         staging_bytes = parse_size(extra["staging_bytes"], "staging_bytes")
+        why = "staging_bytes"
     else:  # with room for each block's value header where the engine stages one
-        staging_bytes = STEPS_STAGED * staging_bytes_for(layout, step_tokens, planner, header_room_for(store, layout))
+        room = header_room_for(store, layout)
+        steps = STEPS_STAGED * staging_bytes_for(layout, step_tokens, planner, room)
+        smallest = staging_bytes_for(layout, 1, planner, room)  # a block of every group
+        staging_bytes = min(steps, max(STAGING_CAP_BYTES, smallest))
+        why = f"{STEPS_STAGED} steps of {step_tokens} tokens" + (" (capped)" if staging_bytes < steps else "")
     pool = StagingPool(staging_bytes)
+    log.info("kvstride: a %.1f MiB staging pool on this rank (%s), %s", pool.capacity / (1 << 20), why,
+             "pinned" if layout.on_cuda else "in host memory")
     try:
         pool.register(store.register_buffer)
     except Exception as err:
