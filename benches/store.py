@@ -176,7 +176,7 @@ def main():
             row = half + (room if header_room else 0)
             pool = transfer_mod.StagingPool(transfer_mod._round(n * row) + n * half, load_bytes=0, pin=False)
             for s in ms.values():
-                s.register_buffer(pool.ptr, pool.capacity)
+                pool.register(s.register_buffer)
             first, second = pool.ptr, pool.ptr + transfer_mod._round(n * row)
             return pool, [[(first + i * row + row - half, half), (second + i * half, half)] for i in range(n)]
 

@@ -159,7 +159,7 @@ def save_load_round_trip(store, mix: str, *, tag: str = "", seed: int = 0, per_g
             for j, t in enumerate([v] if isinstance(v, torch.Tensor) else v):
                 want[(name, j, d)] = block_bytes_of(t, b)
     pool = StagingPool(16 << 20)
-    store.register_buffer(pool.ptr, pool.capacity)
+    pool.register(store.register_buffer)
     tr = Transfer(layout, pool)
     keys = [key_of(g, b, tag) for g, b in src]
     with tr.stage(src) as batch:

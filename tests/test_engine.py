@@ -216,6 +216,9 @@ class Spy:
     def register_buffer(self, ptr, nbytes):
         self.inner.register_buffer(ptr, nbytes)
 
+    def unregister_buffer(self, ptr):
+        self.inner.unregister_buffer(ptr)
+
     def remove(self, keys):
         self.inner.remove(keys)
 

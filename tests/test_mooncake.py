@@ -41,7 +41,7 @@ def _setup_blocks(store, nb=16, seed=0):
     layout = KVLayout(kv, groups)
     kvdata.fill_random(layout.storages, seed)
     pool = StagingPool(8 << 20)
-    store.register_buffer(pool.ptr, pool.capacity)
+    pool.register(store.register_buffer)
     return kv, layout, Transfer(layout, pool)
 
 
@@ -238,7 +238,8 @@ def test_dead_master_refused_fast_and_no_call_after_close(mooncake_master):
     assert s.get(["x"], [[a]]) == [Status.UNAVAILABLE]
     assert s.exists(["x"]) == [False]
     assert s.health() == 1 and s.client is None
-    s.register_buffer(a.ctypes.data, a.nbytes)  # a no-op, not a segfault
+    with pytest.raises(RuntimeError, match="not registered"):  # refused, not a segfault
+        s.register_buffer(a.ctypes.data, a.nbytes)
 
 
 # ---- the value header in the room staged before the payload ------------------------------------
@@ -399,7 +400,7 @@ def _attention_blocks(store, hnd=False, heads=4, dtype=torch.float16, seed=0):
     kvdata.fill_random(layout.storages, seed)
     store.bind_geometry(layout.fingerprint())
     pool = StagingPool(1 << 20)
-    store.register_buffer(pool.ptr, pool.capacity)
+    pool.register(store.register_buffer)
     return layout, Transfer(layout, pool)
 
 
@@ -435,3 +436,51 @@ def test_other_geometries_never_load_each_others_values(mooncake_master, mooncak
     finally:
         for client in clients:
             client.close()
+
+
+def test_a_registration_ends_with_its_buffer(mooncake_master, mooncake_store):
+    """Once unregistered (its pool freed), raw parts may no longer name the buffer."""
+    store = MooncakeStore(mooncake_master, segment_bytes=0, fingerprint=FP)
+    try:
+        src, dst = np.arange(256, dtype=np.uint8), np.zeros(256, np.uint8)
+        store.register_buffer(src.ctypes.data, src.nbytes)
+        store.register_buffer(dst.ctypes.data, dst.nbytes)
+        assert store.put([f"unreg-{os.getpid()}"], [[(src.ctypes.data, 256)]]) == [Status.OK]
+        store.unregister_buffer(dst.ctypes.data)
+        assert store.get([f"unreg-{os.getpid()}"], [[(dst.ctypes.data, 256)]]) == [Status.INVALID] and not dst.any()
+        store.unregister_buffer(dst.ctypes.data)  # twice: nothing left to forget
+    finally:
+        store.close()
+
+
+def test_a_refused_registration_is_an_error_not_a_later_failure(fresh_master):
+    """A buffer Mooncake cannot register (here: its master is gone) is refused at once, and
+    raw parts may not name it: every transfer from it would fail for the engine's life."""
+    store = MooncakeStore(fresh_master, segment_bytes=0, fingerprint=FP, retry_after_s=30)
+    try:
+        fresh_master.kill()
+        assert store.exists(["any"]) == [False]  # the client notices its master is down
+        buffer = np.zeros(4096, np.uint8)
+        with pytest.raises(RuntimeError, match="not registered|refused"):
+            store.register_buffer(buffer.ctypes.data, buffer.nbytes)
+        assert store.put(["any"], [[(buffer.ctypes.data, 4096)]]) in ([Status.INVALID], [Status.UNAVAILABLE])
+        assert not store._allowed
+    finally:
+        store.close()
+
+
+def test_a_pools_registration_ends_with_the_pool(mooncake_master, mooncake_store):
+    import gc
+
+    store = MooncakeStore(mooncake_master, segment_bytes=0, fingerprint=FP)
+    try:
+        pool = StagingPool(1 << 20)
+        pool.register(store.register_buffer)
+        assert len(store._allowed) == 1 and store._registered == [pool.ptr]
+        del pool
+        gc.collect()
+        assert not store._allowed and not store._registered
+        again = StagingPool(1 << 20)  # wherever it lands, it registers anew
+        again.register(store.register_buffer)
+    finally:
+        store.close()

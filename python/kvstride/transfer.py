@@ -35,6 +35,7 @@ are never copied into a KV block.
 from __future__ import annotations
 
 import threading
+import weakref
 from dataclasses import dataclass, field
 from typing import Optional, Sequence, Tuple
 
@@ -115,7 +116,13 @@ class StagingPool:
         self._lock = threading.Lock()
 
     def register(self, register_fn) -> None:
+        """``register_fn(ptr, nbytes)`` (a store's ``register_buffer``); that store's
+        ``unregister_buffer`` runs when this pool goes, before its memory is freed, so no
+        registration outlives it (a later pool at the same address registers anew)."""
         register_fn(self.ptr, self.capacity)
+        unregister = getattr(getattr(register_fn, "__self__", None), "unregister_buffer", None)
+        if unregister is not None:
+            weakref.finalize(self, unregister, self.ptr)
 
     def share(self, lane: Optional[str] = None) -> int:
         """Bytes ``lane`` ("save", "load", None: any) may hold at once."""

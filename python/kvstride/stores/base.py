@@ -257,6 +257,11 @@ class KVStore:
         with self._note_lock:
             self._allowed += ((ptr, ptr + nbytes),)
 
+    def unregister_buffer(self, ptr: int) -> None:
+        """The buffer at ``ptr`` is going away: raw parts may no longer name it."""
+        with self._note_lock:
+            self._allowed = tuple(span for span in self._allowed if span[0] != int(ptr))
+
     def bind_geometry(self, geometry: bytes) -> None:
         """Bind every value this client writes and reads from now on to ``geometry`` too (the
         worker's ``KVLayout.fingerprint()``: dtypes, shapes, memory order): a value written from

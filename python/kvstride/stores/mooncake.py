@@ -239,16 +239,37 @@ class MooncakeStore(KVStore):
             self._leave()
 
     def register_buffer(self, ptr: int, nbytes: int) -> None:
+        """Register a staging buffer with Mooncake; ``RuntimeError`` when it refuses (every
+        transfer from that buffer would fail) or the master is down."""
         super().register_buffer(ptr, nbytes)
         c = self._enter("register", 0)
         if c is None:
-            return
+            super().unregister_buffer(ptr)
+            raise RuntimeError(f"Mooncake master {self.master_address} unavailable: the staging buffer is not registered")
         try:
             rc = c.register_buffer(int(ptr), int(nbytes))
-            if rc == 0:
-                self._registered.append(int(ptr))
-            else:
-                self._note("register", Status.ERROR, 1, f"register_buffer returned {rc}")
+        except Exception as err:
+            rc = repr(err)
+        finally:
+            self._leave()
+        if rc != 0:
+            super().unregister_buffer(ptr)
+            raise RuntimeError(f"Mooncake refused to register the {nbytes}-byte staging buffer ({rc})")
+        self._registered.append(int(ptr))
+
+    def unregister_buffer(self, ptr: int) -> None:
+        """The staging buffer at ``ptr`` is freed: Mooncake and the raw-part checks forget it."""
+        super().unregister_buffer(ptr)
+        if int(ptr) not in self._registered:
+            return
+        self._registered.remove(int(ptr))
+        c = self._enter("unregister", 0)
+        if c is None:
+            return
+        try:
+            c.unregister_buffer(int(ptr))
+        except Exception as err:  # the buffer goes all the same: nothing may name it any more
+            self._note("unregister", Status.ERROR, 1, repr(err))
         finally:
             self._leave()
 

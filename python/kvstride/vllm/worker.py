@@ -56,7 +56,8 @@ class WorkerSide(Outcomes):
         self._load_failed: set = set()  # loads failed, not yet reported to vLLM
 
     def shutdown(self) -> None:
-        """Stop the lanes, waiting for what runs."""
+        """Stop the lanes, waiting for what runs (the staging pool's registration ends with
+        the pool: ``StagingPool.register``)."""
         self._shut_engine()
 
     def register_kv_caches(self, kv_caches) -> None:
@@ -65,7 +66,11 @@ class WorkerSide(Outcomes):
         if hasattr(self.store, "bind_geometry"):  # a shared store: values of another memory layout are misses
             self.store.bind_geometry(layout.fingerprint())
         step_tokens = int(self._vllm_config.scheduler_config.max_num_batched_tokens)
-        transfer = engine_transfer(self.store, layout, self._extra, step_tokens, self.planner)
+        try:
+            transfer = engine_transfer(self.store, layout, self._extra, step_tokens, self.planner)
+        except RuntimeError as err:  # the store is unusable: no engine, every request recomputes
+            log.error("kvstride: the store is disabled on this worker, every request recomputes: %s", err)
+            return
         self.engine = OffloadEngine(
             self.planner, transfer, self.store, name="kvstride-worker", save_wait_s=self._save_wait_s,
             put_linger_s=self._put_linger_s, load_timeout_s=self._load_timeout_s,
