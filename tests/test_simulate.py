@@ -143,3 +143,11 @@ def test_explain_failing_mix(capsys):
     assert "nearest mixes that work" in out
     assert "set mamba mode align on group 1: S=48 H=8" in out
     assert 'kvstride explain --groups "full_attention:16,mamba:24"' in out
+
+
+def test_version(capsys):
+    from importlib.metadata import version
+
+    with pytest.raises(SystemExit) as done:
+        cli.main(["--version"])
+    assert done.value.code == 0 and capsys.readouterr().out.strip() == f"kvstride {version('kvstride')}"

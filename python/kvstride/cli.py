@@ -459,8 +459,19 @@ def store_serve(args) -> int:
 _CLI_EXTRA_MODULES = ("torch", "tqdm", "matplotlib")
 
 
+def _version() -> str:
+    """The installed package's version."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("kvstride")
+    except PackageNotFoundError:  # run from a source tree without an install
+        return "unknown (not installed)"
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvstride", description=__doc__)
+    parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
     commands = parser.add_subparsers(dest="command", required=True)
     explain_parser = commands.add_parser("explain", help="S, H, participation and keys of a group mix")
     _mix_arguments(explain_parser)
