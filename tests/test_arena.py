@@ -170,7 +170,7 @@ def _block(kv, name, b) -> bytes:
     return b"".join(t[b].contiguous().view(torch.uint8).numpy().tobytes() for t in tensors)
 
 
-@pytest.mark.parametrize("copier", ["regions", "torch"])
+@pytest.mark.parametrize("copier", ["regions", "device"])
 def test_blocks_round_trip_through_slots(copier):
     kv, layout = _layout()
     arena = HostArena(layout, 8, copier=copier)

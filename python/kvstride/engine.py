@@ -164,6 +164,17 @@ class _PutBatch:
     fence: Fence  # of its gather
 
 
+@dataclass
+class _DirectFinish:
+    """A save job's copies into a store that copies blocks itself, still running on the
+    device: the save lane calls ``finish`` (waits for them, keeps digests) and counts them."""
+
+    job: _SaveJob
+    entries: List[Tuple[str, int, int]]
+    finish: object  # () -> statuses
+    started: float  # time.perf_counter() of the copies' start
+
+
 _STOP = object()
 
 #: Durations kept per operation for percentiles.
@@ -633,6 +644,8 @@ class OffloadEngine:
                     return
                 if isinstance(items[0], _LoadJob):
                     self._execute_load(items[0])
+                elif isinstance(items[0], _DirectFinish):
+                    self._finish_direct(items[0])
                 else:
                     self._execute_puts(items)
             except Exception as err:  # the job's own error reporting failed: keep the lane
@@ -1005,9 +1018,31 @@ class OffloadEngine:
         if entries:
             keys, groups, block_ids = zip(*entries)
             put_start = time.perf_counter()
-            statuses = self._statuses(self.store.save_blocks(keys, groups, block_ids), len(keys))
+            begin = getattr(self.store, "save_blocks_begin", None)
+            started = begin(keys, groups, block_ids) if begin is not None else self.store.save_blocks(keys, groups, block_ids)
+            if callable(started):  # device copies still running: the save lane finishes them
+                with self._lock:
+                    job.in_flight += 1
+                self._save_queue.put(_DirectFinish(job, list(entries), started, put_start))
+                return
+            statuses = self._statuses(started, len(keys))
             self._time("put", time.perf_counter() - put_start)
             self._count_puts(job, entries, statuses)
+
+    def _finish_direct(self, item: _DirectFinish) -> None:
+        try:
+            statuses = self._statuses(item.finish(), len(item.entries))
+        except Exception as err:  # never into the driver: fail these saves, keep going
+            self._log_once("save-bug", "save job of step %d failed: %r", item.job.step, err)
+            self.count("save_job_errors")
+            statuses = [Status.ERROR] * len(item.entries)
+        self._time("put", time.perf_counter() - item.started)
+        self._count_puts(item.job, item.entries, statuses)
+        with self._lock:
+            item.job.in_flight -= 1
+            finished = not item.job.in_flight and not item.job.staging
+        if finished:
+            self._finish_saves(item.job)
 
     def _put(self, items: List[_PutBatch]) -> None:
         """One store call for ``items`` (``_next_items``), then each batch released and

@@ -5,18 +5,20 @@ load (vLLM recomputes).
 
 One copy each way: a save copies block pieces from the KV cache straight into the slot, a
 load from the slot straight into the destination blocks (raw region copies in the Rust core,
-GIL released, spread over cores for large batches; a torch path for device tensors).
+GIL released, spread over cores for large batches). Device tensors go through
+:mod:`kvstride.arena.device`: a gather on the device, one host-link copy per run of slots.
 """
 
 from __future__ import annotations
 
 import threading
-from typing import Dict, List, Optional
+from typing import Callable, Dict, List, Optional
 
 import numpy as np
 import torch
 
 from kvstride import _core
+from kvstride.arena.device import DeviceCopier
 from kvstride.arena.index import ALIGN
 from kvstride.copies import PieceTable
 from kvstride.layout import KVLayout
@@ -61,6 +63,7 @@ class HostArena:
         self.slot_group = np.full(self.num_slots, -1, dtype=np.int64)  # -1: never written
         self.layout: Optional[KVLayout] = None
         self.copier = "regions"
+        self._device: Optional[DeviceCopier] = None  # the "device" copier's
         self._pieces: Optional[PieceTable] = None
         self.block_bytes = np.zeros(0, dtype=np.uint64)
         self._views: Dict[tuple, tuple] = {}
@@ -76,13 +79,16 @@ class HostArena:
                 f"give at least {largest}"
             )
         device = layout.device or torch.device("cpu")
-        copier = copier or ("regions" if device.type == "cpu" else "torch")
-        if copier not in ("regions", "torch"):
-            raise ValueError(f"copier must be 'regions' or 'torch', got {copier!r}")
+        copier = copier or ("regions" if device.type == "cpu" else "device")
+        if copier not in ("regions", "device"):
+            raise ValueError(f"copier must be 'regions' or 'device', got {copier!r}")
         self.layout, self.copier = layout, copier
         self._pieces = PieceTable(layout)  # a block's pieces fill its slot in order
         self.block_bytes = np.array([g.block_bytes for g in layout.groups], dtype=np.uint64)  # per group
         self._views = {}
+        self._device = None
+        if copier == "device":
+            self._device = DeviceCopier(layout, self.buffer, self.slot_bytes, self._piece_views, self._pieces.piece_start)
 
     @property
     def nbytes(self) -> int:
@@ -116,7 +122,7 @@ class HostArena:
         lengths = np.ascontiguousarray(self.block_bytes[groups])
         return _core._xxh3_64_regions(addrs, lengths)
 
-    # ---- the torch path (device tensors) ------------------------------------------------
+    # ---- the device path ------------------------------------------------------------------
 
     def _piece_views(self, group: int, piece: int):
         """(KV view (num_blocks, size), slot view (num_slots, size)) of one piece, as uint8."""
@@ -130,38 +136,49 @@ class HostArena:
             self._views[key] = (kv, slot)
         return self._views[key]
 
-    def _torch_copy(self, slots, groups, block_ids, to_arena: bool) -> None:
-        for g in np.unique(groups):
-            sel = groups == g
-            ids = torch.from_numpy(block_ids[sel].astype(np.int64))
-            rows = torch.from_numpy(slots[sel].astype(np.int64))
-            for j in range(len(self.layout.groups[g].pieces)):
-                kv, slot = self._piece_views(int(g), j)
-                if to_arena:
-                    slot.index_copy_(0, rows, kv.index_select(0, ids.to(kv.device)).cpu())
-                else:
-                    kv.index_copy_(0, ids.to(kv.device), slot.index_select(0, rows).to(kv.device))
-        if self.layout.on_cuda:
-            torch.cuda.current_stream(self.layout.device).synchronize()
+    def _device_copy(self, slots, groups, block_ids, to_arena: bool) -> None:
+        """The device path, waiting for its copies to land (the host then reads the slots'
+        bytes, or the caller is told the blocks are written)."""
+        copy = self._device.save if to_arena else self._device.load
+        done = copy(slots, groups, block_ids)
+        if done is not None:
+            done.synchronize()
 
     # ---- saves and loads ----------------------------------------------------------------
 
     def save(self, slots, groups, block_ids, *, digest: bool = True) -> None:
         """Copy each block into its slot and keep the value's digest (``digest=False``: copy
         only; such slots load only with ``verify=False``)."""
+        finish = self.save_begin(slots, groups, block_ids, digest=digest)
+        if finish is not None:
+            finish()
+
+    def save_begin(self, slots, groups, block_ids, *, digest: bool = True) -> Optional[Callable[[], None]]:
+        """``save`` whose device copies may still be running when it returns: None when it is
+        done (the Rust region copies), else ``finish()``, which waits for them and then keeps
+        the digests (until then the slots hold no value: call it off the caller's thread). The
+        caller may reuse the blocks at once: its later device work waits for the reads."""
         slots, groups, block_ids = (np.asarray(a, dtype=np.int64) for a in (slots, groups, block_ids))
         self._check(slots, groups, block_ids)
         if self.copier == "regions":
             kv, slot, length, row_start = self._rows(slots, groups, block_ids)
             if digest:
-                digests = _core._save_rows(kv, slot, length, row_start)
+                self._keep(slots, groups, _core._save_rows(kv, slot, length, row_start))
             else:
                 _core._copy_regions(kv, slot, length)
-        else:
-            self._torch_copy(slots, groups, block_ids, to_arena=True)
-            if digest:
-                digests = self._digest(slots, groups)
-        self.digests[slots] = digests if digest else 0
+                self._keep(slots, groups, 0)
+            return None
+        copied = self._device.save(slots, groups, block_ids)
+
+        def finish() -> None:
+            if copied is not None:
+                copied.synchronize()
+            self._keep(slots, groups, self._digest(slots, groups) if digest else 0)
+
+        return finish
+
+    def _keep(self, slots: np.ndarray, groups: np.ndarray, digests) -> None:
+        self.digests[slots] = digests
         self.lengths[slots] = self.block_bytes[groups]
         self.slot_group[slots] = groups
 
@@ -187,7 +204,7 @@ class HostArena:
             return ok
         good = self._digest(s, g) == self.digests[s] if verify else np.ones(len(s), dtype=bool)
         if good.any():
-            self._torch_copy(s[good], g[good], b[good], to_arena=False)
+            self._device_copy(s[good], g[good], b[good], to_arena=False)
         ok[candidates] = good
         return ok
 
@@ -262,18 +279,32 @@ class ArenaSlots:
 
     takes_digests = False
 
-    def __init__(self, num_slots: int) -> None:
+    def __init__(self, num_slots: int, copier: Optional[str] = None) -> None:
         self.num_slots = int(num_slots)
+        self.copier = copier  # HostArena's; None: the KV tensors' device decides
         self.arena: Optional[HostArena] = None  # once the engine binds the KV layout
         self._corrupt: List[int] = []
         self._lock = threading.Lock()  # the load lane adds, the step thread takes
 
     def bind_layout(self, layout: KVLayout) -> None:
-        self.arena = HostArena(layout, self.num_slots)
+        self.arena = HostArena(layout, self.num_slots, copier=self.copier)
 
     def save_blocks(self, slots, groups, block_ids) -> List[Status]:
         self.arena.save(slots, groups, block_ids)
         return [Status.OK] * len(slots)
+
+    def save_blocks_begin(self, slots, groups, block_ids):
+        """``save_blocks``' statuses when the copy is done, else a ``finish()`` returning
+        them, for the save lane to call (``HostArena.save_begin``)."""
+        finish = self.arena.save_begin(slots, groups, block_ids)
+        if finish is None:
+            return [Status.OK] * len(slots)
+
+        def finished() -> List[Status]:
+            finish()
+            return [Status.OK] * len(slots)
+
+        return finished
 
     def load_blocks(self, slots, groups, block_ids) -> List[Status]:
         ok = self.arena.load(slots, groups, block_ids)

@@ -1,0 +1,166 @@
+"""The arena's device data path (``kvstride.arena.device``) on the KV layouts vLLM's CUDA backends
+use, built as tensors: the same code as on a GPU, with CPU tensors (no streams). Its slots hold
+exactly the bytes the Rust region copier writes, so either path reads the other's values; loads
+restore blocks byte for byte, however a save or load is cut into staging chunks and slot runs.
+
+The CUDA tests at the end (ordering against the caller's stream) run wherever CUDA is present."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+import kvdata
+from kvstride.arena import HostArena
+from kvstride.arena.device import slot_runs
+from kvstride.layout import KVLayout
+
+
+def flashinfer_hnd(nb=12, bs=64, heads=4, dim=32, layers=2, dtype=torch.bfloat16):
+    """FlashInfer's HND: (num_blocks, 2, heads, block, dim) in memory, viewed as NHD."""
+    kv = {f"hnd.{i}": torch.empty(nb, 2, heads, bs, dim, dtype=dtype).permute(0, 1, 3, 2, 4) for i in range(layers)}
+    return kv, [list(kv)]
+
+
+def fp8_flash_attn(nb=12, bs=64, heads=4, dim=32, layers=2):
+    kv = {f"fp8.{i}": torch.empty(2, nb, bs, heads, dim, dtype=torch.float8_e4m3fn) for i in range(layers)}
+    return kv, [list(kv)]
+
+
+def hybrid(nb=12):
+    """Full attention + sliding window + Mamba state lists + a scratch ring, block size 64."""
+    kv = {
+        "fa.0": torch.empty(2, nb, 64, 2, 32, dtype=torch.bfloat16),
+        "swa.0": torch.empty(nb, 2, 64, 2, 32, dtype=torch.bfloat16),
+        "mamba.0": [torch.empty(nb, 4, 96, dtype=torch.bfloat16), torch.empty(nb, 2, 16, 32, dtype=torch.float32)],
+        "ring.0": torch.empty(nb, 2, 4, 2, 32, dtype=torch.bfloat16),
+    }
+    return kv, [["fa.0"], ["swa.0"], ["mamba.0"], ["ring.0"]]
+
+
+LAYOUTS = {
+    "flash_attn_bs64": lambda: kvdata.flash_attn(nb=12, bs=64),
+    "flashinfer_nhd": lambda: kvdata.blocks_first(nb=12, bs=64),
+    "flashinfer_hnd": flashinfer_hnd,
+    "mla": lambda: kvdata.mla(nb=12, bs=64),
+    "fp8": fp8_flash_attn,
+    "hybrid": hybrid,
+    "mamba_raw_pages": kvdata.mamba_raw_pages,
+}
+
+
+def _entries(layout, count, seed):
+    """``count`` (slot, group, block) entries: slots partly consecutive, partly scattered."""
+    rng = np.random.default_rng(seed)
+    slots = np.concatenate([np.arange(3, 3 + count // 2), rng.choice(np.arange(20, 40), count - count // 2, replace=False)])
+    groups = rng.integers(0, len(layout.groups), count)
+    blocks = np.array([rng.integers(0, layout.groups[g].num_blocks) for g in groups])
+    return slots.astype(np.int64), groups.astype(np.int64), blocks.astype(np.int64)
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+@pytest.mark.parametrize("stage_slots", [1, 3, 64])
+def test_device_path_matches_the_region_copier_byte_for_byte(name, stage_slots):
+    kv, groups = LAYOUTS[name]()
+    layout = KVLayout(kv, groups)
+    kvdata.fill_random(layout.storages, seed=1)
+    device = HostArena(layout, 48, copier="device")
+    device._device.chunk_slots = stage_slots
+    regions = HostArena(layout, 48, copier="regions")
+    slots, grps, blocks = _entries(layout, 10, seed=2)
+    device.save(slots, grps, blocks)
+    regions.save(slots, grps, blocks)
+    assert torch.equal(device.buffer, regions.buffer) and (device.digests == regions.digests).all()
+    saved = _blocks(kv, groups, grps, blocks)
+    for t in layout.storages:
+        t.zero_()
+    assert device.load(slots, grps, blocks).all()
+    assert _blocks(kv, groups, grps, blocks) == saved
+
+
+def _blocks(kv, groups, grps, blocks) -> list:
+    """Each entry's block bytes, tensor by tensor of its group's layers."""
+    out = []
+    for g, b in zip(grps, blocks):
+        for name in groups[g]:
+            for t in [kv[name]] if isinstance(kv[name], torch.Tensor) else kv[name]:
+                out.append(bytes(kvdata.block_bytes_of(t.cpu(), int(b)).numpy()))
+    return out
+
+
+def test_slot_runs():
+    assert slot_runs(np.array([3, 4, 5, 9, 11, 12])) == [(0, 3, 3), (3, 9, 1), (4, 11, 2)]
+    assert slot_runs(np.array([], dtype=np.int64)) == []
+
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+@cuda
+def test_cuda_a_block_rewritten_right_after_its_save_is_saved_as_it_was():
+    """The caller's stream rewrites the saved blocks at once after ``save`` returned: the slots
+    hold the bytes from before (the caller's later kernels wait for the gathers)."""
+    kv, groups = kvdata.flash_attn(nb=64, bs=16, heads=8, dim=128)
+    kvdata.fill_random([t for t in kv.values()], seed=3)
+    on_host = {k: v.clone() for k, v in kv.items()}  # the same bytes, for the region copier
+    kv = {k: v.cuda() for k, v in kv.items()}
+    arena = HostArena(KVLayout(kv, groups), 64)
+    blocks, zeros = np.arange(64), np.zeros(64, dtype=np.int64)
+    done = arena._device.save(blocks, zeros, blocks)
+    for t in kv.values():
+        t.zero_()  # queued on the caller's stream right behind the save
+    done.synchronize()
+    regions = HostArena(KVLayout(on_host, groups), 64, copier="regions")
+    regions.save(blocks, zeros, blocks)
+    assert torch.equal(arena.buffer, regions.buffer)
+
+
+@cuda
+def test_cuda_a_forward_right_after_a_load_sees_the_loaded_bytes():
+    kv, groups = kvdata.flash_attn(nb=64, bs=16, heads=8, dim=128)
+    kvdata.fill_random([t for t in kv.values()], seed=4)
+    kv = {k: v.cuda() for k, v in kv.items()}
+    layout = KVLayout(kv, groups)
+    arena = HostArena(layout, 64)
+    want = [s.clone() for s in layout.storages]
+    blocks = np.arange(64)
+    arena.save(blocks, np.zeros(64, dtype=np.int64), blocks)
+    for t in layout.storages:
+        t.zero_()
+    assert arena.load(blocks, np.zeros(64, dtype=np.int64), blocks).all()
+    got = [s.clone() for s in layout.storages]  # a kernel on the caller's stream right after
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+
+
+def test_an_engine_reports_a_device_save_once_its_copies_landed():
+    """Through ``OffloadEngine.submit_planned`` (the connector's worker): the device path's save
+    is finished by the save lane (on CUDA: after its copies landed, with the digests), then the
+    blocks load back byte for byte into other blocks."""
+    import kvstride
+    from kvstride.arena import ArenaSlots
+    from kvstride.engine import OffloadEngine
+
+    kv, groups = hybrid(nb=16)
+    layout = KVLayout(kv, groups)
+    kvdata.fill_random(layout.storages, seed=5)
+    specs = [kvstride.GroupSpec("full_attention", 64), kvstride.GroupSpec("sliding_window", 64, window=128),
+             kvstride.GroupSpec("mamba", 64, mamba_mode="align"), kvstride.GroupSpec("circular_buffer", 4)]
+    S, H = kvstride.resolve_block_sizes(specs)
+    planner = kvstride.KeyPlanner(specs, hash_block_size=H, scheduler_block_size=S, namespace="device-engine")
+    store = ArenaSlots(12, copier="device")
+    engine = OffloadEngine(planner, layout, store)
+    try:
+        puts = [(slot, group, block) for slot, (group, block) in enumerate([(0, 1), (0, 2), (1, 3), (2, 4), (2, 5)])]
+        saved = _blocks(kv, groups, [g for _, g, _ in puts], [b for _, _, b in puts])
+        engine.submit_planned(puts={7: puts})
+        assert engine.wait_idle(30)
+        assert engine.get_finished().jobs_done == {7: "ok"}
+        gets = [(slot, group, block + 8) for slot, group, block in puts]
+        engine.submit_planned(gets={"r": gets})
+        assert engine.wait_idle(30)
+        done = engine.get_finished()
+        assert done.loads_done == {"r"} and not done.loads_failed
+        assert _blocks(kv, groups, [g for _, g, _ in gets], [b for _, _, b in gets]) == saved
+    finally:
+        engine.shutdown()
