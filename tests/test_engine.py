@@ -495,7 +495,9 @@ def test_the_linger_ends_after_linger_max_steps(rig_factory):
         _, hashes, tables, _ = rig.source_request(64)
         rig.engine.submit(saves=[SaveRequest(f"r{i}", hashes, tables, 64)])
     assert rig.engine.wait_idle(30)  # with only the time bound it would linger 60 s
-    assert len(spy.ops("put")) == 1
+    # One call for the first LINGER_MAX_STEPS steps' batches; the last step's may make a second
+    # one when the lane sees its step begin before its batch is queued (a busy machine).
+    assert len(spy.ops("put")) in (1, 2)
     assert rig.engine.get_finished().saves_done == {f"r{i}" for i in range(LINGER_MAX_STEPS + 1)}
 
 
