@@ -8,7 +8,6 @@ its path between two engines on ``kvstride store serve``, is in ``test_vllm_serv
 
 from __future__ import annotations
 
-import logging
 import shutil
 import types
 
@@ -31,34 +30,9 @@ from kvstride.secret import generate_secret_file, load_secret  # noqa: E402
 from kvstride.vllm import checks  # noqa: E402
 from kvstride.vllm.config import group_specs, resolve_config  # noqa: E402
 from kvstride.vllm.store_registry import arena_slot_bytes  # noqa: E402
+from test_vllm_checks import warnings_seen  # noqa: E402,F401  (the fixture: kvstride's warnings)
 
 HASHES = [bytes([i]) * 32 for i in range(4)]
-
-
-class Records(logging.Handler):
-    """The warnings of kvstride's vLLM logger (the suite runs with pytest's logging plugin off)."""
-
-    def __init__(self):
-        super().__init__(logging.WARNING)
-        self.messages = []
-
-    def emit(self, record):
-        self.messages.append(record.getMessage())
-
-
-@pytest.fixture
-def warnings_seen():
-    handler, logger = Records(), logging.getLogger("kvstride.vllm")
-    logger.addHandler(handler)
-    try:
-        yield handler.messages
-    finally:
-        logger.removeHandler(handler)
-
-
-@pytest.fixture(scope="module")
-def llama_dir(tmp_path_factory):
-    return harness.llama(tmp_path_factory.mktemp("identity") / "llama")
 
 
 def vllm_config(path, extra=None, *, tp=1, algo="sha256_cbor", load_format="safetensors", **model):
