@@ -35,6 +35,11 @@ from test_vllm_checks import warnings_seen  # noqa: E402,F401  (the fixture: kvs
 HASHES = [bytes([i]) * 32 for i in range(4)]
 
 
+@pytest.fixture(scope="module")
+def llama_dir(tmp_path_factory):
+    return harness.llama(tmp_path_factory.mktemp("identity") / "llama")
+
+
 def vllm_config(path, extra=None, *, tp=1, algo="sha256_cbor", load_format="safetensors", **model):
     model = dict(dict(model=str(path), revision=None, quantization=None, hf_overrides={}, dtype=torch.bfloat16), **model)
     model_config = types.SimpleNamespace(**model, get_total_num_kv_heads=lambda: 2)
