@@ -16,7 +16,8 @@ calls, per engine step:
   gets)``: the same copies and store calls for ``(key, group, block_id)`` entries planned
   elsewhere, each save job's outcome reported back instead of moving an offset here;
 - ``get_finished()``: which loads and saves completed, and the block ids whose load failed
-  (the driver recomputes them).
+  (the driver recomputes them); a load not done within ``load_timeout_s`` of its submit is
+  reported failed there, and nothing it gets later reaches a KV block.
 
 Nothing raises into the driver's step at run time: store failures, divergent boundaries and
 bugs inside a job become outcomes, counted and logged once. A request's saved offset advances

@@ -4,8 +4,8 @@ store.
 
 Loads are asynchronous: vLLM parks a request with a hit until this side reports its load in
 ``finished_recving``, so every group's state (Mamba included) is in place before the
-request's first forward; a failed load is reported in ``failed_recving`` too and vLLM
-recomputes the request. Saves copy their blocks out of the KV cache within the step that
+request's first forward; a failed load, or one past ``load_timeout_s``, is reported in
+``failed_recving`` too and vLLM recomputes the request. Saves copy their blocks out of the KV cache within the step that
 computed them (vLLM guarantees a hand-off block or a block leaving a sliding window only
 until the end of that step): straight into the arena's slots, or into staging whose store
 puts run later on the engine's save lane, so no step waits for another request's saves and a
