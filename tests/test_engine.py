@@ -1039,3 +1039,30 @@ def test_load_timeout_must_be_positive():
     for bad in (0, -1, "soon", float("inf"), True):
         with pytest.raises(ValueError, match="load_timeout_s"):
             OffloadEngine(None, None, None, load_timeout_s=bad)
+
+
+def test_a_store_that_never_answers_a_lookup_costs_one_deadline(rig_factory):
+    """A lookup waits for the store's existence answer at most ``lookup_timeout_s``, then its
+    requests miss; while that call stays unanswered, later lookups miss at once; once the store
+    answers again, lookups hit."""
+    rig, spy = spy_rig(rig_factory, "fa")
+    _, hashes, tables, _ = rig.source_request(64)
+    rig.run(saves=[SaveRequest("r", hashes, tables, 64)])
+    lookups = OffloadEngine(rig.planner, None, spy, lookup_timeout_s=0.3)  # a scheduler's engine
+    answer = threading.Event()
+    real = spy.inner.exists
+    spy.inner.exists = lambda keys: answer.wait(30) and real(keys)
+    try:
+        asked = len(spy.ops("exists"))
+        assert lookups.lookup([("a", hashes, 65)]) == {"a": 0}  # returned while the store is silent
+        assert lookups.lookup([("b", hashes, 65)]) == {"b": 0}
+        assert len(spy.ops("exists")) == asked + 1  # the second did not ask the silent store again
+        assert lookups.counters["lookup_timeouts"] == 2
+        answer.set()
+        until = time.monotonic() + 10
+        while lookups.lookup([("c", hashes, 65)])["c"] != 64:
+            assert time.monotonic() < until, "lookups never hit again"
+            time.sleep(0.05)
+    finally:
+        answer.set()
+        lookups.shutdown()

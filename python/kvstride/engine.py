@@ -40,6 +40,7 @@ share, which saves never take.
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import functools
 import logging
 import queue
@@ -181,6 +182,11 @@ _STOP = object()
 #: Durations kept per operation for percentiles.
 TIMINGS_KEPT = 10_000
 
+#: How long a lookup waits for the store's existence answer before its requests miss (vLLM's
+#: scheduler waits for it): a store that hangs costs one lookup this, then every lookup misses
+#: at once until the store has answered.
+DEFAULT_LOOKUP_TIMEOUT_S = 1.0
+
 #: How long a load may take from its submit until it is reported failed (its request recomputes):
 #: a store that hangs costs each request at most this. A 2 GiB load over 1 GB/s TCP takes 2 s.
 DEFAULT_LOAD_TIMEOUT_S = 10.0
@@ -235,6 +241,15 @@ def check_load_timeout(value) -> float:
     return seconds
 
 
+def check_lookup_timeout(value) -> float:
+    """``lookup_timeout_s`` as seconds, or ``ValueError`` naming it."""
+    seconds = _check_seconds("lookup_timeout_s", value, "how long a lookup waits for the store before its requests miss")
+    if seconds <= 0:
+        raise ValueError(f"lookup_timeout_s must be > 0 seconds (how long a lookup waits for the store before its "
+                         f"requests miss), got {value!r}")
+    return seconds
+
+
 def check_put_linger(value) -> float:
     """``put_linger_s`` as seconds, or ``ValueError`` naming it."""
     return _check_seconds("put_linger_s", value, "how long the save lane waits for more puts to make one store "
@@ -261,10 +276,14 @@ class OffloadEngine:
         save_wait_s: float = DEFAULT_SAVE_WAIT_S,
         put_linger_s: float = DEFAULT_PUT_LINGER_S,
         load_timeout_s: float = DEFAULT_LOAD_TIMEOUT_S,
+        lookup_timeout_s: float = DEFAULT_LOOKUP_TIMEOUT_S,
     ) -> None:
         self.save_wait_s = check_save_wait(save_wait_s)
         self.put_linger_s = check_put_linger(put_linger_s)
         self.load_timeout_s = check_load_timeout(load_timeout_s)
+        self.lookup_timeout_s = check_lookup_timeout(lookup_timeout_s)
+        self._asking: Optional[concurrent.futures.ThreadPoolExecutor] = None  # a store that may not answer
+        self._asked: Optional[concurrent.futures.Future] = None  # its existence call, while it runs
         self._loads_out: List[_LoadJob] = []  # queued or running, for their deadline
         self.planner = planner
         self.store = store
@@ -324,6 +343,7 @@ class OffloadEngine:
         self._flush_pending = False  # flush_puts() since the save lane's last call: it does not linger
         self._step = 0
         self._closed = False
+        self.name = name
         # A planning-only engine (no KV tensors: a scheduler) runs no transfers, so no lanes.
         self._workers = [
             threading.Thread(target=self._run, args=(q,), name=f"{name}-{lane}", daemon=True)
@@ -428,7 +448,7 @@ class OffloadEngine:
         present = [False] * len(unique)
         if unique:
             try:
-                present = [bool(p) for p in self.store.exists(list(unique))]
+                present = [bool(p) for p in self._exists_in_time(list(unique))]
                 if len(present) != len(unique):
                     raise RuntimeError(f"exists answered {len(present)} of {len(unique)} keys")
             except Exception as err:  # the store's own failures are statuses; this is a bug
@@ -451,6 +471,27 @@ class OffloadEngine:
         self.count("lookup_keys", len(unique))
         self._time("lookup", time.perf_counter() - start)
         return hits
+
+    def _exists_in_time(self, keys: List[str]) -> list:
+        """The store's existence answer for ``keys``, or all misses when it does not answer
+        within ``lookup_timeout_s`` or still has not answered an earlier call (counted in
+        ``lookup_timeouts``). A store whose index is here (``knows_contents``) answers at once."""
+        if getattr(self.store, "knows_contents", False):
+            return self.store.exists(keys)
+        with self._lock:
+            if self._asked is not None and not self._asked.done():
+                self.count("lookup_timeouts")
+                return [False] * len(keys)
+            if self._asking is None:
+                self._asking = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"{self.name}-lookup")
+            self._asked = asked = self._asking.submit(self.store.exists, keys)
+        try:
+            return asked.result(timeout=self.lookup_timeout_s)
+        except concurrent.futures.TimeoutError:
+            self.count("lookup_timeouts")
+            self._log_once("lookup-timeout", "the store did not answer a lookup within lookup_timeout_s=%gs: "
+                           "requests miss until it answers", self.lookup_timeout_s)
+            return [False] * len(keys)
 
     # ---- worker side ---------------------------------------------------------------------
 
@@ -635,6 +676,8 @@ class OffloadEngine:
         if not already:
             for worker in self._workers:
                 worker.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
+            if self._asking is not None:  # a call the store never answered is not waited for
+                self._asking.shutdown(wait=False, cancel_futures=True)
         return not any(w.is_alive() for w in self._workers) and not self._lookups_in_flight
 
     def _run(self, lane: "queue.Queue") -> None:

@@ -15,9 +15,11 @@ from kvstride.identity import checkpoint_digest, local_checkpoint, plain
 from kvstride.mooncake_config import OVERRIDE_KEYS
 from kvstride.engine import (
     DEFAULT_LOAD_TIMEOUT_S,
+    DEFAULT_LOOKUP_TIMEOUT_S,
     DEFAULT_PUT_LINGER_S,
     DEFAULT_SAVE_WAIT_S,
     check_load_timeout,
+    check_lookup_timeout,
     check_put_linger,
     check_save_wait,
 )
@@ -40,7 +42,8 @@ ADMISSION_POLICIES = ("kvstride", "dense")
 #: Every ``kv_connector_extra_config`` key the connector reads (README lists them): any other
 #: is refused, so that a misspelled ``secret_file`` never runs a shared store unauthenticated.
 KNOWN_KEYS = frozenset({
-    "store", "store_bytes", "staging_bytes", "save_wait_s", "put_linger_s", "load_timeout_s", "admission",
+    "store", "store_bytes", "staging_bytes", "save_wait_s", "put_linger_s", "load_timeout_s", "lookup_timeout_s",
+    "admission",
     "store_name", "model_id", "model_identity", "allow_weak_hash", "cache_prefix", "secret_file", *OVERRIDE_KEYS,
 })
 
@@ -220,6 +223,7 @@ class ConnectorConfig:
     save_wait_s: float = DEFAULT_SAVE_WAIT_S  # the workers' engines' (kvstride.engine)
     put_linger_s: float = DEFAULT_PUT_LINGER_S  # the workers' engines' (kvstride.engine)
     load_timeout_s: float = DEFAULT_LOAD_TIMEOUT_S  # the workers' engines' (kvstride.engine)
+    lookup_timeout_s: float = DEFAULT_LOOKUP_TIMEOUT_S  # the scheduler's engine's (kvstride.engine)
     admission: str = "kvstride"  # one of ADMISSION_POLICIES
     # vLLM's prefix_cache_retention_interval: None dense checkpoints, 0 semantic only, T > 0 every T
     retention_interval: Optional[int] = 0
@@ -294,6 +298,7 @@ def resolve_config(vllm_config, kv_cache_config, worker: bool) -> ConnectorConfi
         extra, groups, fp, planner, rank_planners, tp_rank, secret, store, world_size, save_wait_s,
         put_linger_s=check_put_linger(extra.get("put_linger_s", DEFAULT_PUT_LINGER_S)),
         load_timeout_s=check_load_timeout(extra.get("load_timeout_s", DEFAULT_LOAD_TIMEOUT_S)),
+        lookup_timeout_s=check_lookup_timeout(extra.get("lookup_timeout_s", DEFAULT_LOOKUP_TIMEOUT_S)),
         admission=check_admission(extra.get("admission", "kvstride")),
         retention_interval=None if retention is None else int(retention), lookup_batch=max(1, int(max_num_seqs)),
         model_identity=identity,

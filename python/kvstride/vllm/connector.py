@@ -19,6 +19,7 @@ Use it with::
 - ``staging_bytes`` (Mooncake staging, default: what eight full steps can save), ``model_id`` (the key namespace's
   model part, default the model path), ``cache_prefix``, ``secret_file`` (the deployment key);
 - ``load_timeout_s`` (default 10): past it a load is reported failed and its request recomputes;
+  ``lookup_timeout_s`` (default 1): how long a lookup waits for a shared store before it misses;
 - ``admission``: ``"kvstride"`` (default) stores a window group's blocks only for the tails of
   boundaries a later lookup can hit at, under vLLM's ``prefix_cache_retention_interval``
   (SEMANTICS §8); ``"dense"`` stores them all.

@@ -75,7 +75,8 @@ class SchedulerSide(Outcomes):
         self.world_size = config.world_size
         self.placement = placement  # kvstride.stores.placement: where keys go in the store
         # Lookups and plans need only the planner and the placement: no KV tensors here.
-        self.engine = OffloadEngine(self.planner, None, placement, name="kvstride-sched")
+        self.engine = OffloadEngine(self.planner, None, placement, name="kvstride-sched",
+                                    lookup_timeout_s=config.lookup_timeout_s)
         self._jobs: Dict[int, _SaveJob] = {}  # save jobs the workers have not all reported
         self._load_hits: Dict[str, int] = {}  # req id -> hit tokens of its load in flight
         self._next_job = 0
