@@ -313,3 +313,23 @@ def test_explain_needs_no_torch():
     done = _without_torch("explain", "--preset", "llama")
     assert done.returncode == 0, done.stderr
     assert "S = " in done.stdout
+
+
+def test_simulate_against_store_serve_is_a_pure_client(tmp_path):
+    """The documented pairing: ``kvstride simulate --store mooncake://HOST:PORT`` against ``kvstride
+    store serve``, with no --store-mb and no host address: a pure client, its values in the server's
+    segment."""
+    config_path, log_path = tmp_path / "engines.json", tmp_path / "serve.err"
+    server = _serve(log_path, "--bytes", "128M", "--config-out", str(config_path))
+    try:
+        address = _wait_for_config(server, config_path, log_path)["master_server_address"]
+        env = {k: v for k, v in ENV.items() if k != "VLLM_HOST_IP"}
+        argv = [sys.executable, "-m", "kvstride.cli", "simulate", "--store", f"mooncake://{address}",
+                "--conversations", "2", "--turns", "2", "--json"]
+        done = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stderr[-3000:]
+        result = json.loads(done.stdout.strip().splitlines()[-1])
+        assert result["verified"] and result["store"].startswith("mooncake") and result["bytes_stored"] > 0
+    finally:
+        rc, _, err = _stop(server, signal.SIGTERM, log_path)
+    assert rc == 0, err[-3000:]

@@ -330,7 +330,9 @@ def test_cli_json_fields(tmp_path):
         rc = main(["simulate", "--trace", str(trace), "--model", str(model), "--capacity", "1K,1G",
                    "--policy", "all", "--json"])
     assert rc == 0
-    results = [json.loads(line) for line in out.getvalue().splitlines()]
+    document = json.loads(out.getvalue())  # one JSON document
+    results = document["results"]
+    assert document["trace"] == str(trace)
     assert [(r["policy"], r["capacity_bytes"]) for r in results] == [
         (p, c) for p in POLICIES for c in (1024, 1 << 30)
     ]
@@ -360,7 +362,8 @@ def test_cli_replay_options_reach_the_replay(tmp_path):
         with redirect_stdout(out):
             assert main(["simulate", "--trace", str(trace), "--model", str(model), "--capacity", capacity,
                          "--json", *options]) == 0
-        return json.loads(out.getvalue())
+        (result,) = json.loads(out.getvalue())["results"]
+        return result
 
     plain = replay()
     assert plain["hit_tokens"] == 1536 + 1024 and plain["decode_checkpoints"] == 0

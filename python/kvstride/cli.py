@@ -14,6 +14,100 @@ from kvstride.capacity import PrefixOrder
 from kvstride.mixes import PRESETS, Mix, format_groups, resolve_mix
 
 
+class _Parser(argparse.ArgumentParser):
+    """Bad input is one line on stderr naming the option and a valid form, exit 2, before any
+    work starts (no usage dump to read it out of)."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def _int_at_least(minimum: int):
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"{value}: give a whole number >= {minimum}")
+        return value
+
+    parse.__name__ = f"whole number >= {minimum}"
+    return parse
+
+
+_POSITIVE = _int_at_least(1)
+_NON_NEGATIVE = _int_at_least(0)
+
+
+def _non_negative_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not value >= 0 or math.isinf(value):
+        raise argparse.ArgumentTypeError(f"{text}: give a finite number >= 0")
+    return value
+
+
+def _store_url(text: str) -> str:
+    """``embedded``, ``mooncake`` or ``mooncake://HOST:PORT``."""
+    if text in ("embedded", "mooncake"):
+        return text
+    host, sep, port = text[len("mooncake://"):].rpartition(":") if text.startswith("mooncake://") else ("", "", "")
+    if not (sep and host and port.isdigit() and 0 < int(port) < 65536):
+        raise argparse.ArgumentTypeError(f"{text!r}: use embedded, mooncake or mooncake://HOST:PORT")
+    return text
+
+
+def _writable_path(suffix: Optional[str] = None):
+    """A file path whose folder exists and is writable (checked now, not after a long run)."""
+    def parse(text: str) -> str:
+        import os
+
+        if suffix and not text.lower().endswith(suffix):
+            raise argparse.ArgumentTypeError(f"{text!r}: give a {suffix} file name")
+        folder = os.path.dirname(os.path.abspath(text))
+        if not os.path.isdir(folder):
+            raise argparse.ArgumentTypeError(f"{text!r}: the folder {folder} does not exist")
+        if not os.access(folder, os.W_OK):
+            raise argparse.ArgumentTypeError(f"{text!r}: the folder {folder} is not writable")
+        return text
+
+    parse.__name__ = f"{suffix or 'file'} path"
+    return parse
+
+
+def _capacities(text: str) -> List[int]:
+    """``--capacity``: sizes such as 256G or 1T (binary units), comma-separated, each > 0."""
+    from kvstride.trace import parse_size
+
+    out = []
+    for item in (t.strip() for t in text.split(",") if t.strip()):
+        try:
+            size = parse_size(item)
+        except ValueError:
+            size = None
+        if size is None or size <= 0:
+            raise argparse.ArgumentTypeError(f"{item!r}: give a size > 0 such as 256G or 1T")
+        out.append(size)
+    if not out:
+        raise argparse.ArgumentTypeError(f"{text!r}: give sizes such as 256G,1T")
+    return out
+
+
+def _checkpoints(text: str) -> str:
+    """``--checkpoints``: connector, or a comma list of end, hedge, junction, every:T."""
+    items = [t.strip() for t in text.split(",")]
+    for item in items:
+        every = item.startswith("every:") and item[6:].isdigit() and int(item[6:]) > 0
+        if not (every or item in ("end", "hedge", "junction") or (item == "connector" and len(items) == 1)):
+            raise argparse.ArgumentTypeError(
+                f"{item!r}: use connector, or a comma list of end, hedge, junction and every:T (T tokens > 0)"
+            )
+    return text
+
+
 def _mix_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--preset",
@@ -25,8 +119,8 @@ def _mix_arguments(parser: argparse.ArgumentParser) -> None:
         help='group mix as text, e.g. "full_attention:16,mamba:64,circular_buffer:4" '
         "(settings per group: :window=N :mode=align|all|none :cacheable=true|false :heads=N)",
     )
-    parser.add_argument("--prefix-match-unit", type=int, default=None, help="hash block size H override")
-    parser.add_argument("--dcp", type=int, default=1, help="decode context parallel size")
+    parser.add_argument("--prefix-match-unit", type=_POSITIVE, default=None, help="hash block size H override")
+    parser.add_argument("--dcp", type=_POSITIVE, default=1, help="decode context parallel size")
     parser.add_argument("--algo", default="sha256_cbor", choices=list(_core.HASH_ALGOS))
     parser.add_argument("--seed", default="0", help="hash seed (vLLM: PYTHONHASHSEED)")
     parser.add_argument("--model", default="demo-model", help="model name in the key namespace")
@@ -202,6 +296,13 @@ def simulate(mix: Mix, args) -> int:
     if sizes is None:
         print(f"kvstride simulate: this mix cannot be keyed: {error}\n(run kvstride explain for mixes that work)", file=sys.stderr)
         return 2
+    remote = args.store.startswith("mooncake://")
+    # A store of its own holds the values; a client of another's (store serve) holds none.
+    store_mb = args.store_mb if args.store_mb is not None else 0 if remote else 1024
+    if store_mb == 0 and not remote:
+        print(f"kvstride simulate: --store-mb 0: the {args.store} store needs room; give a size in MiB > 0",
+              file=sys.stderr)
+        return 2
     cfg = SimConfig(
         mix=mix,
         conversations=args.conversations,
@@ -213,7 +314,7 @@ def simulate(mix: Mix, args) -> int:
         token_bytes=args.token_bytes,
         state_bytes=args.state_bytes,
         store=args.store,
-        store_bytes=args.store_mb << 20,
+        store_bytes=store_mb << 20,
         algo=args.algo,
         seed=int(args.seed) if str(args.seed).isdigit() else 0,
         dcp=args.dcp,
@@ -222,7 +323,11 @@ def simulate(mix: Mix, args) -> int:
         load_timing=args.load_timing,
         progress=not args.json and not args.quiet,
     )
-    result = run_simulation(cfg)
+    try:
+        result = run_simulation(cfg)
+    except (ValueError, OSError) as err:  # the store could not be set up as asked
+        print(f"kvstride simulate: {err}", file=sys.stderr)
+        return 2
     if args.plot:
         plot(result, args.plot)
     if args.json:
@@ -239,7 +344,7 @@ def simulate_trace(args) -> int:
     from kvstride.simulate import DEFAULT_TRACE_CAPACITIES, plot_trace, print_trace_table, run_trace
 
     model = args.model if args.model and args.model != "demo-model" else None
-    capacities = [c for text in (args.capacity or []) for c in text.split(",") if c.strip()]
+    capacities = [c for sizes in (args.capacity or []) for c in sizes]
     policy = args.policy or "kvstride"
     try:
         results = run_trace(
@@ -259,14 +364,17 @@ def simulate_trace(args) -> int:
         print(f"kvstride simulate --trace: {err}", file=sys.stderr)
         return 2
     if args.json:
-        for result in results:
-            print(json.dumps(result))
+        print(json.dumps({"trace": args.trace, "results": results}))
     else:
         print_trace_table(results)
-        if len({r["capacity_bytes"] for r in results}) > 1 or args.plot:
-            path = args.plot or "kvstride_trace_hit_rate.png"
-            plot_trace(results, path)
-            print(f"plot: {path}")
+    truncated = max((r.get("truncated_inputs", 0) for r in results), default=0)
+    if truncated:
+        print(f"kvstride simulate --trace: {truncated} requests have an input_length longer than their hash_ids "
+              "cover; each was replayed as long as its hash_ids", file=sys.stderr)
+    if args.plot:
+        plot_trace(results, args.plot)
+        if not args.json:
+            print(f"plot: {args.plot}")
     return 0 if all(r["unservable_hits"] == 0 for r in results) else 1
 
 
@@ -359,6 +467,24 @@ def _positive_seconds(text: str) -> int:
     return seconds
 
 
+def _unbindable(host: str) -> Optional[str]:
+    """Why this host cannot listen on ``host`` (not one of its addresses, or not an address),
+    or None."""
+    import socket
+
+    try:
+        infos = socket.getaddrinfo(host, 0, type=socket.SOCK_STREAM)
+    except OSError as err:
+        return f"not an address ({err.strerror or err})"
+    family, _, _, _, address = infos[0]
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        try:
+            probe.bind(address)
+        except OSError as err:
+            return f"not an address of this host ({err.strerror or err})"
+    return None
+
+
 def store_serve(args) -> int:
     """Run ``mooncake_master`` plus one client that holds ``--bytes`` of segment, so that engines
     can be pure clients (segment 0) whose objects outlive them; stop on SIGINT / SIGTERM."""
@@ -378,12 +504,27 @@ def store_serve(args) -> int:
     if segment_bytes == 0:
         print("kvstride store serve: --bytes must be > 0: the objects live in this segment", file=sys.stderr)
         return 2
+    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    if segment_bytes >= memory:
+        print(f"kvstride store serve: --bytes {args.bytes} is not less than this host's memory "
+              f"({memory / 2**30:.1f} GiB): give a smaller segment", file=sys.stderr)
+        return 2
     if args.host in ("", "0.0.0.0", "::"):
         print(
             f"kvstride store serve: --host {args.host!r} is a wildcard; give an address the engines "
             "can reach (127.0.0.1 or this machine's IP)",
             file=sys.stderr,
         )
+        return 2
+    problem = _unbindable(args.host)
+    if problem:
+        print(f"kvstride store serve: --host {args.host}: {problem}; give an address of this host "
+              "(127.0.0.1 or this machine's IP)", file=sys.stderr)
+        return 2
+    secret_folder = os.path.dirname(os.path.abspath(args.secret_file)) if args.secret_file else None
+    if secret_folder and not os.path.lexists(args.secret_file) and not os.path.isdir(secret_folder):
+        print(f"kvstride store serve: --secret-file {args.secret_file}: the folder {secret_folder} does not exist; "
+              f"create it first (mkdir -p {secret_folder}) or give another path", file=sys.stderr)
         return 2
     secret_note = None
     if args.secret_file:
@@ -470,32 +611,35 @@ def _version() -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="kvstride", description=__doc__)
+    parser = _Parser(prog="kvstride", description=__doc__)
     parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
     commands = parser.add_subparsers(dest="command", required=True)
     explain_parser = commands.add_parser("explain", help="S, H, participation and keys of a group mix")
     _mix_arguments(explain_parser)
     sim = commands.add_parser("simulate", help="replay a multi-turn chat workload through the offload engine")
     _mix_arguments(sim)
-    sim.add_argument("--store", default="embedded", help="embedded | mooncake (starts a master on loopback) | mooncake://HOST:PORT")
-    sim.add_argument("--conversations", type=int, default=8)
-    sim.add_argument("--turns", type=int, default=4)
-    sim.add_argument("--batch", type=int, default=4, help="requests per engine step")
-    sim.add_argument("--system-tokens", type=int, default=2048, help="shared system prompt length")
-    sim.add_argument("--user-tokens", type=int, default=300, help="tokens each user message adds")
-    sim.add_argument("--reply-tokens", type=int, default=200, help="tokens each reply adds")
-    sim.add_argument("--token-bytes", type=int, default=64, help="KV bytes per token per attention group")
-    sim.add_argument("--state-bytes", type=int, default=16384, help="bytes of one Mamba state")
-    sim.add_argument("--store-mb", type=int, default=1024, help="store capacity (MiB)")
+    sim.add_argument("--store", type=_store_url, default="embedded",
+                     help="embedded | mooncake (starts a master on loopback) | mooncake://HOST:PORT")
+    sim.add_argument("--conversations", type=_POSITIVE, default=8)
+    sim.add_argument("--turns", type=_POSITIVE, default=4)
+    sim.add_argument("--batch", type=_POSITIVE, default=4, help="requests per engine step")
+    sim.add_argument("--system-tokens", type=_NON_NEGATIVE, default=2048, help="shared system prompt length")
+    sim.add_argument("--user-tokens", type=_POSITIVE, default=300, help="tokens each user message adds")
+    sim.add_argument("--reply-tokens", type=_NON_NEGATIVE, default=200, help="tokens each reply adds")
+    sim.add_argument("--token-bytes", type=_POSITIVE, default=64, help="KV bytes per token per attention group")
+    sim.add_argument("--state-bytes", type=_POSITIVE, default=16384, help="bytes of one Mamba state")
+    sim.add_argument("--store-mb", type=_NON_NEGATIVE, default=None,
+                     help="store capacity in MiB (default 1024; with mooncake://HOST:PORT 0: a pure client of "
+                     "that store, as against kvstride store serve)")
     sim.add_argument(
         "--fault-every",
-        type=int,
+        type=_NON_NEGATIVE,
         default=0,
         help="before every N-th batch of requests corrupt values, restart or evict the store (in turn)",
     )
     sim.add_argument(
         "--chunk-tokens",
-        type=int,
+        type=_POSITIVE,
         default=1024,
         help="prefill chunk size (rounded up to the lookup alignment, at least S); Mamba states "
         "are handed off at chunk ends",
@@ -517,6 +661,7 @@ def build_parser() -> argparse.ArgumentParser:
     sim.add_argument(
         "--capacity",
         action="append",
+        type=_capacities,
         metavar="SIZE",
         help="with --trace: store capacity, e.g. 256G or 1T (binary units; repeat or comma-separate; "
         "default 256G,1T,4T,16T)",
@@ -524,12 +669,14 @@ def build_parser() -> argparse.ArgumentParser:
     sim.add_argument(
         "--policy",
         default=None,
+        choices=("dense", "vllm-reachable", "kvstride", "all", "kvstride-admission", "kvstride-boundary-sets"),
         help="with --trace: dense | vllm-reachable | kvstride (default) | all; ablations of kvstride's "
         "eviction, not in all: kvstride-admission (per-value LRU), kvstride-boundary-sets (BoundaryIndex)",
     )
-    sim.add_argument("--limit", type=int, default=None, help="with --trace: replay only the first N requests")
+    sim.add_argument("--limit", type=_POSITIVE, default=None, help="with --trace: replay only the first N requests")
     sim.add_argument(
         "--checkpoints",
+        type=_checkpoints,
         default="connector",
         help="with --trace, kvstride policies: where states are checkpointed: connector (the connector's "
         "own rule, default), or a comma list of end (the prompt end), hedge (the last boundary "
@@ -537,21 +684,21 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sim.add_argument(
         "--retention-interval",
-        type=int,
+        type=_NON_NEGATIVE,
         default=16384,
         help="with --trace, --checkpoints connector: vLLM's prefix_cache_retention_interval (periodic "
         "checkpoints every this many tokens; 0: none, vLLM's default)",
     )
     sim.add_argument(
         "--value-weight",
-        type=float,
+        type=_non_negative_float,
         default=PrefixOrder.VALUE_WEIGHT,
         help="with --trace, policy kvstride: how much the prefill a request's hit saves per byte counts "
         "against recency in the eviction order (default %(default)s; 0: recency and reads alone)",
     )
     sim.add_argument(
         "--hedge-tokens",
-        type=int,
+        type=_NON_NEGATIVE,
         default=512,
         help="with --trace, --checkpoints hedge: the last boundary this many tokens before the prompt end",
     )
@@ -562,7 +709,8 @@ def build_parser() -> argparse.ArgumentParser:
         "next turn can hit past the previous prompt (vLLM 0.32 and 0.33 hand off none)",
     )
     sim.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
-    sim.add_argument("--plot", metavar="FILE.png", help="draw hit rate and throughput per turn")
+    sim.add_argument("--plot", metavar="FILE.png", type=_writable_path(".png"),
+                     help="draw hit rate and throughput per turn (with --trace: hit rate per capacity)")
     sim.add_argument("--quiet", action="store_true", help="no progress bar")
     bench_parser = commands.add_parser("bench", help="run the core and data-plane benches and print their ratio tables")
     bench_parser.add_argument("--quick", action="store_true", help="fewer repeats")
@@ -581,8 +729,9 @@ def build_parser() -> argparse.ArgumentParser:
         "Mooncake's segment holder still listens on all interfaces (its TCP data port on [::], its handshake port "
         "on 0.0.0.0; no option binds one address): the command prints the sockets it measures",
     )
-    serve.add_argument("--port", type=int, default=None, help="master RPC port (default: a free one)")
-    serve.add_argument("--config-out", metavar="PATH", help="also write the engines' config here (for MOONCAKE_CONFIG_PATH)")
+    serve.add_argument("--port", type=_int_at_least(1), default=None, help="master RPC port (default: a free one)")
+    serve.add_argument("--config-out", metavar="PATH", type=_writable_path(),
+                       help="also write the engines' config here (for MOONCAKE_CONFIG_PATH)")
     serve.add_argument(
         "--client-ttl",
         type=_positive_seconds,

@@ -152,9 +152,14 @@ def read_trace(path: str, limit: Optional[int] = None) -> List[TraceRequest]:
                 length = int(obj.get("input_length", len(ids) * TRACE_BLOCK))
             except (ValueError, KeyError, TypeError) as err:
                 raise ValueError(f"{path}:{number}: not a Mooncake trace line ({err})") from None
+            if length <= 0 or not ids:
+                raise ValueError(f"{path}:{number}: input_length {length} with {len(ids)} hash_ids: a request needs "
+                                 "tokens and at least one hash id")
             out.append(TraceRequest(length, ids, float(obj.get("timestamp", 0)), int(obj.get("output_length", 0))))
             if limit is not None and len(out) >= limit:
                 break
+    if not out:
+        raise ValueError(f"{path}: no requests (an empty trace)")
     return out
 
 

@@ -1,0 +1,73 @@
+"""Bad input to the ``kvstride`` command is one line on stderr naming the option and a valid
+form, and exit status 2, before any work starts (nothing is replayed, no store is started)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from kvstride import cli
+
+BAD = [
+    (["simulate", "--store", "redis"], "--store", "mooncake://HOST:PORT"),
+    (["simulate", "--batch", "0"], "--batch", ">= 1"),
+    (["simulate", "--conversations=-3"], "--conversations", ">= 1"),
+    (["simulate", "--conversations", "0"], "--conversations", ">= 1"),
+    (["simulate", "--store-mb=-1"], "--store-mb", ">= 0"),
+    (["simulate", "--store-mb", "0"], "--store-mb 0", "> 0"),
+    (["simulate", "--fault-every=-1"], "--fault-every", ">= 0"),
+    (["simulate", "--plot", "/nope/x.png"], "--plot", "does not exist"),
+    (["simulate", "--plot", "x.txt"], "--plot", ".png"),
+    (["simulate", "--trace", "t.jsonl", "--capacity=-1G"], "--capacity", "256G"),
+    (["simulate", "--trace", "t.jsonl", "--capacity", "0"], "--capacity", "256G"),
+    (["simulate", "--trace", "t.jsonl", "--limit", "-5"], "--limit", ">= 1"),
+    (["simulate", "--trace", "t.jsonl", "--checkpoints", "foo"], "--checkpoints", "every:T"),
+    (["simulate", "--trace", "t.jsonl", "--policy", "lru"], "--policy", "kvstride"),
+    (["explain", "--dcp", "0"], "--dcp", ">= 1"),
+    (["store", "serve", "--bytes", "-600"], "--bytes", "512MB"),
+    (["store", "serve", "--bytes", "1G", "--config-out", "/nope/dir/x.json"], "--config-out", "does not exist"),
+    (["store", "serve", "--bytes", "1G", "--host", "nohost.invalid"], "--host", "address"),
+    (["store", "serve", "--bytes", "1G", "--secret-file", "/nope/kvstride/deploy.key"], "--secret-file", "mkdir -p"),
+    (["store", "serve", "--bytes", "100000T"], "--bytes", "memory"),
+]
+
+
+@pytest.mark.parametrize("argv, option, fix", BAD, ids=[" ".join(a) for a, _, _ in BAD])
+def test_bad_input_is_one_line_and_exit_2(capsys, argv, option, fix):
+    try:
+        code = cli.main(argv)
+    except SystemExit as done:
+        code = done.code
+    captured = capsys.readouterr()
+    lines = captured.err.strip().splitlines()
+    assert code == 2 and len(lines) == 1, captured.err
+    assert option in lines[0] and fix in lines[0], lines[0]
+    assert captured.out == ""
+
+
+def _trace(tmp_path, rows) -> str:
+    path = tmp_path / "trace.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return str(path)
+
+
+@pytest.mark.parametrize("rows, why", [
+    ([], "no requests"),
+    ([{"input_length": -5, "hash_ids": [1]}], "input_length -5"),
+    ([{"input_length": 512, "hash_ids": []}], "hash_ids"),
+])
+def test_a_trace_without_requests_is_refused(tmp_path, capsys, rows, why):
+    assert cli.main(["simulate", "--trace", _trace(tmp_path, rows), "--quiet"]) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and why in err
+
+
+def test_trace_mode_writes_no_file_unasked(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    trace = _trace(tmp_path, [{"input_length": 1024, "hash_ids": [1, 2]}, {"input_length": 1024, "hash_ids": [1, 2]}])
+    assert cli.main(["simulate", "--trace", trace, "--capacity", "1G,2G", "--quiet"]) == 0
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["trace.jsonl"]
+    assert cli.main(["simulate", "--trace", trace, "--capacity", "1G,2G", "--json"]) == 0
+    document = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert [r["capacity_bytes"] for r in document["results"]] == [1 << 30, 2 << 30]
