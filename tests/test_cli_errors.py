@@ -71,3 +71,17 @@ def test_trace_mode_writes_no_file_unasked(tmp_path, capsys, monkeypatch):
     assert cli.main(["simulate", "--trace", trace, "--capacity", "1G,2G", "--json"]) == 0
     document = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert [r["capacity_bytes"] for r in document["results"]] == [1 << 30, 2 << 30]
+
+
+def test_model_means_the_models_geometry_everywhere(capsys):
+    """``--model`` in explain and simulate is the model's geometry, as with --trace; the key
+    namespace is --namespace."""
+    assert cli.main(["explain", "--model", "qwen3-next-80b", "--namespace", "prod"]) == 0
+    out = capsys.readouterr().out
+    assert "full_attention:544,mamba:544" in out and "prod" in out
+    for argv in (["explain", "--model", "gemma-3-27b", "--preset", "llama"],
+                 ["simulate", "--trace", "t.jsonl", "--preset", "gemma3"]):
+        with pytest.raises(SystemExit) as done:
+            cli.main(argv)
+        assert done.value.code == 2
+        assert len(capsys.readouterr().err.strip().splitlines()) == 1

@@ -11,7 +11,7 @@ from typing import List, Optional, Sequence
 
 from kvstride import _core
 from kvstride.capacity import PrefixOrder
-from kvstride.mixes import PRESETS, Mix, format_groups, resolve_mix
+from kvstride.mixes import PRESETS, Mix, format_groups, model_mix, resolve_mix
 
 
 class _Parser(argparse.ArgumentParser):
@@ -123,7 +123,12 @@ def _mix_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dcp", type=_POSITIVE, default=1, help="decode context parallel size")
     parser.add_argument("--algo", default="sha256_cbor", choices=list(_core.HASH_ALGOS))
     parser.add_argument("--seed", default="0", help="hash seed (vLLM: PYTHONHASHSEED)")
-    parser.add_argument("--model", default="demo-model", help="model name in the key namespace")
+    parser.add_argument(
+        "--model",
+        help="a model's geometry instead of --preset / --groups: a name shipped in python/kvstride/models "
+        "(qwen3-next-80b, gemma-3-27b, gpt-oss-120b, nemotron-h) or a JSON file of that form",
+    )
+    parser.add_argument("--namespace", default="demo-model", help="the model name in the key namespace")
 
 
 # ---- explain -------------------------------------------------------------------------------
@@ -222,7 +227,7 @@ def explain(mix: Mix, args, out=None) -> int:
         hash_block_size=h,
         scheduler_block_size=s,
         namespace=_core.Namespace(
-            args.model,
+            args.namespace,
             fingerprint=_core.layout_fingerprint(
                 {"groups": format_groups(groups), "S": s, "H": h, "algo": args.algo, "seed": args.seed, "dcp": dcp}
             ),
@@ -343,7 +348,7 @@ def simulate_trace(args) -> int:
 
     from kvstride.simulate import DEFAULT_TRACE_CAPACITIES, plot_trace, print_trace_table, run_trace
 
-    model = args.model if args.model and args.model != "demo-model" else None
+    model = args.model
     capacities = [c for sizes in (args.capacity or []) for c in sizes]
     policy = args.policy or "kvstride"
     try:
@@ -782,8 +787,13 @@ def _run(parser: argparse.ArgumentParser, args) -> int:
         return bench(args)
     if args.command == "store":
         return store_serve(args)
+    if args.command == "simulate" and args.trace and (args.preset or args.groups):
+        parser.error("--trace replays a model's geometry: name it with --model (not --preset or --groups)")
+    if args.model and (args.preset or args.groups):
+        parser.error("--model gives the geometry: leave out --preset and --groups, or --model")
     try:
-        mix = resolve_mix(args.preset, args.groups, args.prefix_match_unit)
+        mix = model_mix(args.model, args.prefix_match_unit) if args.model else resolve_mix(
+            args.preset, args.groups, args.prefix_match_unit)
     except ValueError as err:
         parser.error(str(err))
     if args.command == "explain":

@@ -22,8 +22,9 @@ class Mix:
     note: str = ""
 
 
-# Block sizes as vLLM's hybrid allocator sets them for these model families (attention
-# blocks padded to the Mamba state size where one exists).
+# Illustrative mixes of these model families' group kinds, at small block sizes that make their
+# arithmetic easy to read; the block sizes vLLM really runs each model with are the shipped
+# geometries' (``--model``, python/kvstride/models).
 PRESETS = {
     "llama": ("full_attention:16", None, "one full-attention group (Llama-3)"),
     "gemma3": (
@@ -115,6 +116,15 @@ def format_group(group: GroupSpec) -> str:
 
 def format_groups(groups) -> str:
     return ",".join(format_group(g) for g in groups)
+
+
+def model_mix(name_or_path: str, prefix_match_unit: Optional[int] = None) -> Mix:
+    """The group mix of a model geometry shipped in ``python/kvstride/models`` (or a JSON file
+    of that form): the block sizes vLLM runs the model with."""
+    from kvstride.trace import load_model
+
+    model = load_model(name_or_path)
+    return Mix(model.name, tuple(model.groups), prefix_match_unit, model.derivation)
 
 
 def resolve_mix(preset: Optional[str], groups: Optional[str], prefix_match_unit: Optional[int]) -> Mix:
