@@ -450,7 +450,7 @@ def _report_sockets(master, holder) -> None:
         print(
             f"kvstride store: WARNING: {', '.join(wild)} listen on all interfaces whatever --host says: Mooncake's "
             "TCP transport binds its data port to [::] (dual-stack) and its handshake port to 0.0.0.0 and offers no "
-            "option to bind one address. Whoever reaches them can read and write the segment's memory: run the "
+            "option to bind one address. Whoever reaches them can read and write any memory of that process: run the "
             "store and the engines on an isolated network or behind a firewall (README: Trust model). "
             f"All: {describe(sockets['segment_holder'])}",
             file=sys.stderr,
@@ -570,6 +570,9 @@ def store_serve(args) -> int:
             flush=True,
         )
         _report_sockets(master, holder)
+        print("kvstride store: (Mooncake's start-up lines above, 'Logging before InitGoogleLogging' and 'Local "
+              "segment descriptor not found', are its client looking up its own segment before it publishes it: "
+              "expected at every start)", file=sys.stderr, flush=True)
         if secret_note:
             extra = json.dumps({"store": "mooncake", "secret_file": os.path.abspath(args.secret_file)})
             print(

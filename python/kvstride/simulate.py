@@ -559,21 +559,29 @@ def print_trace_table(results: List[dict], out=None) -> None:
     print(f"model {first['model']}  ({first['groups']}, S={first['S']} H={first['H']})  "
           f"{first['requests']} requests, {first['prompt_tokens']} prompt tokens", file=out)
     dense = {r["capacity_bytes"]: r for r in results if r["policy"] == "dense"}
-    header = f"{'policy':<15} {'capacity':>8} {'hit rate':>9} {'vs dense':>9} {'GB written/req':>15} {'vs dense':>9}  resident by kind (GB)"
+    header = f"{'policy':<15} {'capacity':>8} {'hit rate':>9} {'vs dense':>9} {'GiB written/req':>15} {'vs dense':>9}  resident by kind (GiB)"
     print(header, file=out)
     for r in results:
         d = dense.get(r["capacity_bytes"])
         hit_ratio = f"{r['token_hit_rate'] / d['token_hit_rate']:.2f}x" if d and d["token_hit_rate"] else "-"
         wr_ratio = f"{r['bytes_written'] / d['bytes_written']:.2f}x" if d and d["bytes_written"] else "-"
-        resident = ", ".join(f"{k} {v / 1e9:.0f}" for k, v in r["resident_bytes_by_kind"].items())
+        resident = ", ".join(f"{k} {v / 2**30:.0f}" for k, v in r["resident_bytes_by_kind"].items())
         print(f"{r['policy']:<15} {r['capacity']:>8} {r['token_hit_rate']:>9.1%} {hit_ratio:>9} "
-              f"{r['bytes_written_per_request'] / 1e9:>15.3f} {wr_ratio:>9}  {resident}", file=out)
+              f"{r['bytes_written_per_request'] / 2**30:>15.3f} {wr_ratio:>9}  {resident}", file=out)
     bad = sum(r["unservable_hits"] for r in results)
     print(f"hits every group could not serve: {bad}", file=out)
 
 
+def _capacity_label(gib: float) -> str:
+    """256 GiB, 1 TiB, 16 TiB: an axis tick in the units a capacity is given in."""
+    if gib >= 1024:
+        return f"{gib / 1024:g} TiB"
+    return f"{gib:g} GiB"
+
+
 def plot_trace(results: List[dict], path: str) -> None:
     import matplotlib
+    import matplotlib.ticker
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -583,7 +591,8 @@ def plot_trace(results: List[dict], path: str) -> None:
         rows = sorted((r["capacity_bytes"], r["token_hit_rate"]) for r in results if r["policy"] == policy)
         ax.plot([c / (1 << 30) for c, _ in rows], [h * 100 for _, h in rows], "o-", label=policy)
     ax.set_xscale("log", base=2)
-    ax.set_xlabel("store capacity (GiB)")
+    ax.xaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda gib, _: _capacity_label(gib)))
+    ax.set_xlabel("store capacity")
     ax.set_ylabel("token hit rate (%)")
     ax.set_title(f"kvstride simulate --trace: {results[0]['model']}")
     ax.legend()
