@@ -377,7 +377,7 @@ def test_window_blocks_after_failed_saves_are_stored_as_computed(model_dirs, mon
     )
     failing = [True]
     calls = {"failed": 0, "ok": 0}
-    original = HostArena.save
+    original = HostArena.save_begin  # the worker's path into the arena
 
     def save(arena, *args, **kw):
         if failing[0]:
@@ -386,7 +386,7 @@ def test_window_blocks_after_failed_saves_are_stored_as_computed(model_dirs, mon
         calls["ok"] += 1
         return original(arena, *args, **kw)
 
-    monkeypatch.setattr(HostArena, "save", save)
+    monkeypatch.setattr(HostArena, "save_begin", save)
     llm = LLM(**kwargs)
     try:
         sched, worker = _connectors(llm)

@@ -263,6 +263,8 @@ class MooncakeStore(KVStore):
         if int(ptr) not in self._registered:
             return
         self._registered.remove(int(ptr))
+        if self._closed:  # the client and its registrations are gone already
+            return
         c = self._enter("unregister", 0)
         if c is None:
             return
