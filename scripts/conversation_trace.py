@@ -1,4 +1,4 @@
-"""Write a multi-turn chat trace in Mooncake's format (``../shared/data/README.md``).
+"""Write a multi-turn chat trace in Mooncake's format (``benches/traces/README.md``).
 
     python scripts/conversation_trace.py --out conv.jsonl [--sessions 1500] [--seed 0]
 

@@ -1,7 +1,5 @@
-"""Every worked example of SEMANTICS.md, plus the research cases that apply to it.
-
-Research sources: ../shared/research/mooncake_store_spec.md (§1.2, §3.6 tail E1-E7, §4.5
-lookup E1-E5) and offloading_connector_spec.md (§2.3 geometry E1-E7, §4.3 striding X1-X4).
+"""Every worked example of SEMANTICS.md, plus cases from vLLM's MooncakeStoreConnector (tail
+hand-offs E1-E7, lookups E1-E5) and OffloadingConnector (geometry E1-E7, striding X1-X4).
 Where SEMANTICS departs from vLLM (Mamba never read from its block table, TP striding phase),
 the expected values follow SEMANTICS.
 """
