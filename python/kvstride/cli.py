@@ -32,7 +32,6 @@ def _int_at_least(minimum: int):
             raise argparse.ArgumentTypeError(f"{value}: give a whole number >= {minimum}")
         return value
 
-    parse.__name__ = f"whole number >= {minimum}"
     return parse
 
 
@@ -74,7 +73,6 @@ def _writable_path(suffix: Optional[str] = None):
             raise argparse.ArgumentTypeError(f"{text!r}: the folder {folder} is not writable")
         return text
 
-    parse.__name__ = f"{suffix or 'file'} path"
     return parse
 
 
