@@ -8,8 +8,9 @@ PY     := $(VENV)/bin/python
 export PIP_FIND_LINKS := $(strip $(abspath ../shared/wheels) $(PIP_FIND_LINKS))
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
-PY_DEPS := "numpy>=1.22" "torch==2.13.*" "xxhash>=3" "tqdm>=4" "matplotlib>=3.5" \
-           "mooncake-transfer-engine-non-cuda==0.3.13.post1"
+# The simulate demo's (embedded store: no Mooncake, no system packages); the tests add Mooncake.
+DEMO_DEPS := "numpy>=1.22" "torch==2.13.*" "xxhash>=3" "tqdm>=4" "matplotlib>=3.5"
+PY_DEPS := $(DEMO_DEPS) "mooncake-transfer-engine-non-cuda==0.3.13.post1"
 TEST_DEPS := "pytest>=7" "hypothesis>=6" "cbor2>=5.4"
 
 # vLLM lives in a venv of its own (3.5 GB; its registry torchvision/torchaudio/torchcodec are
@@ -17,7 +18,7 @@ TEST_DEPS := "pytest>=7" "hypothesis>=6" "cbor2>=5.4"
 VLLM_VENV := .venv-vllm
 VLLM_PY   := $(VLLM_VENV)/bin/python
 
-.PHONY: setup system-deps build test test-rust test-python test-vllm vllm-setup simulate bench clean
+.PHONY: setup system-deps build demo-build test test-rust test-python test-vllm vllm-setup simulate bench clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -68,7 +69,11 @@ test-vllm: vllm-setup
 
 test: test-rust test-python test-vllm
 
-simulate: build
+demo-build: $(PY)
+	$(PY) -m pip install -q $(DEMO_DEPS)
+	$(VENV)/bin/maturin develop -q --release
+
+simulate: demo-build
 	$(VENV)/bin/kvstride simulate --preset glm-ring
 
 bench: build
