@@ -85,3 +85,18 @@ def test_model_means_the_models_geometry_everywhere(capsys):
             cli.main(argv)
         assert done.value.code == 2
         assert len(capsys.readouterr().err.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("argv, named", [
+    (["simulate", "--capacity", "1G"], "--capacity"),
+    (["simulate", "--policy", "dense", "--decode-states"], "--policy, --decode-states"),
+    (["simulate", "--trace", "t.jsonl", "--store", "mooncake", "--batch", "2"], "--store, --batch"),
+    (["simulate", "--seed", "abc"], "--seed"),
+])
+def test_an_option_the_mode_ignores_is_refused(capsys, argv, named):
+    try:
+        code = cli.main(argv)
+    except SystemExit as done:
+        code = done.code
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and named in err[0], err

@@ -299,6 +299,9 @@ def simulate(mix: Mix, args) -> int:
     if sizes is None:
         print(f"kvstride simulate: this mix cannot be keyed: {error}\n(run kvstride explain for mixes that work)", file=sys.stderr)
         return 2
+    if not str(args.seed).isdigit():
+        print(f"kvstride simulate: --seed {args.seed!r}: the workload's seed is a whole number >= 0", file=sys.stderr)
+        return 2
     remote = args.store.startswith("mooncake://")
     # A store of its own holds the values; a client of another's (store serve) holds none.
     store_mb = args.store_mb if args.store_mb is not None else 0 if remote else 1024
@@ -319,7 +322,7 @@ def simulate(mix: Mix, args) -> int:
         store=args.store,
         store_bytes=store_mb << 20,
         algo=args.algo,
-        seed=int(args.seed) if str(args.seed).isdigit() else 0,
+        seed=int(args.seed),
         dcp=args.dcp,
         fault_every=args.fault_every,
         chunk_tokens=args.chunk_tokens,
@@ -718,6 +721,7 @@ def build_parser() -> argparse.ArgumentParser:
     sim.add_argument("--plot", metavar="FILE.png", type=_writable_path(".png"),
                      help="draw hit rate and throughput per turn (with --trace: hit rate per capacity)")
     sim.add_argument("--quiet", action="store_true", help="no progress bar")
+    parser.simulate_parser = sim  # its defaults tell which options were given (_mode_mismatch)
     bench_parser = commands.add_parser("bench", help="run the core and data-plane benches and print their ratio tables")
     bench_parser.add_argument("--quick", action="store_true", help="fewer repeats")
     bench_parser.add_argument("--rust", action="store_true", help="also run the criterion benches (cargo bench)")
@@ -783,6 +787,26 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return 2
 
 
+#: ``simulate`` options that only the trace replay reads, and those only the chat workload reads.
+TRACE_ONLY = ("capacity", "policy", "limit", "checkpoints", "retention_interval", "value_weight", "hedge_tokens",
+              "decode_states")
+WORKLOAD_ONLY = ("store", "conversations", "turns", "batch", "system_tokens", "user_tokens", "reply_tokens",
+                 "token_bytes", "state_bytes", "store_mb", "fault_every", "chunk_tokens", "load_timing")
+
+
+def _mode_mismatch(sim: argparse.ArgumentParser, args) -> Optional[str]:
+    """An option given (not at its default) that the chosen mode would ignore, as an error."""
+    trace = bool(args.trace)
+    ignored = WORKLOAD_ONLY if trace else TRACE_ONLY
+    given = [name for name in ignored if getattr(args, name) != sim.get_default(name)]
+    if not given:
+        return None
+    flags = ", ".join("--" + name.replace("_", "-") for name in given)
+    if trace:
+        return f"{flags}: not read by --trace (a replay through the core and a capacity index); leave it out"
+    return f"{flags}: only read by --trace FILE; add --trace or leave it out"
+
+
 def _run(parser: argparse.ArgumentParser, args) -> int:
     if args.command == "bench":
         return bench(args)
@@ -790,6 +814,10 @@ def _run(parser: argparse.ArgumentParser, args) -> int:
         return store_serve(args)
     if args.command == "simulate" and args.trace and (args.preset or args.groups):
         parser.error("--trace replays a model's geometry: name it with --model (not --preset or --groups)")
+    if args.command == "simulate":
+        mismatch = _mode_mismatch(parser.simulate_parser, args)
+        if mismatch:
+            parser.error(mismatch)
     if args.model and (args.preset or args.groups):
         parser.error("--model gives the geometry: leave out --preset and --groups, or --model")
     try:
