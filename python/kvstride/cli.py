@@ -329,6 +329,8 @@ def simulate(mix: Mix, args) -> int:
         load_timing=args.load_timing,
         progress=not args.json and not args.quiet,
     )
+    if args.store != "embedded":
+        print(f"kvstride simulate: ({MOONCAKE_START_LINES} below)", file=sys.stderr, flush=True)
     try:
         result = run_simulation(cfg)
     except (ValueError, OSError) as err:  # the store could not be set up as asked
@@ -571,9 +573,7 @@ def store_serve(args) -> int:
             flush=True,
         )
         _report_sockets(master, holder)
-        print("kvstride store: (Mooncake's start-up lines above, 'Logging before InitGoogleLogging' and 'Local "
-              "segment descriptor not found', are its client looking up its own segment before it publishes it: "
-              "expected at every start)", file=sys.stderr, flush=True)
+        print(f"kvstride store: ({MOONCAKE_START_LINES} above)", file=sys.stderr, flush=True)
         if secret_note:
             extra = json.dumps({"store": "mooncake", "secret_file": os.path.abspath(args.secret_file)})
             print(
@@ -792,6 +792,13 @@ TRACE_ONLY = ("capacity", "policy", "limit", "checkpoints", "retention_interval"
               "decode_states")
 WORKLOAD_ONLY = ("store", "conversations", "turns", "batch", "system_tokens", "user_tokens", "reply_tokens",
                  "token_bytes", "state_bytes", "store_mb", "fault_every", "chunk_tokens", "load_timing")
+
+
+#: What Mooncake's client prints at every start, explained once by the commands that start one.
+MOONCAKE_START_LINES = (
+    "Mooncake's start-up lines 'Logging before InitGoogleLogging' and 'Local segment descriptor not found' "
+    "are its client looking up its own segment before it publishes it: expected at every start"
+)
 
 
 def _mode_mismatch(sim: argparse.ArgumentParser, args) -> Optional[str]:
