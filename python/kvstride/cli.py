@@ -330,7 +330,7 @@ def simulate(mix: Mix, args) -> int:
         progress=not args.json and not args.quiet,
     )
     if args.store != "embedded":
-        print(f"kvstride simulate: ({MOONCAKE_START_LINES} below)", file=sys.stderr, flush=True)
+        print(f"kvstride simulate: {MOONCAKE_START_LINES}", file=sys.stderr, flush=True)
     try:
         result = run_simulation(cfg)
     except (ValueError, OSError) as err:  # the store could not be set up as asked
@@ -573,7 +573,7 @@ def store_serve(args) -> int:
             flush=True,
         )
         _report_sockets(master, holder)
-        print(f"kvstride store: ({MOONCAKE_START_LINES} above)", file=sys.stderr, flush=True)
+        print(f"kvstride store: {MOONCAKE_START_LINES}", file=sys.stderr, flush=True)
         if secret_note:
             extra = json.dumps({"store": "mooncake", "secret_file": os.path.abspath(args.secret_file)})
             print(
@@ -796,8 +796,8 @@ WORKLOAD_ONLY = ("store", "conversations", "turns", "batch", "system_tokens", "u
 
 #: What Mooncake's client prints at every start, explained once by the commands that start one.
 MOONCAKE_START_LINES = (
-    "Mooncake's start-up lines 'Logging before InitGoogleLogging' and 'Local segment descriptor not found' "
-    "are its client looking up its own segment before it publishes it: expected at every start"
+    "Mooncake's client prints 'Logging before InitGoogleLogging' and 'Local segment descriptor not found' at "
+    "every start (it looks up its own segment before it publishes it): expected, not an error"
 )
 
 
