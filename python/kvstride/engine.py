@@ -216,13 +216,15 @@ LINGER_MAX_STEPS = 16
 _ROOM_CHECK_S = 0.05
 
 
-def _check_seconds(name: str, value, meaning: str) -> float:
+def _check_seconds(name: str, value, meaning: str, positive: bool = False) -> float:
     try:
         seconds = float(value)
     except (TypeError, ValueError):
         seconds = float("nan")
-    if isinstance(value, bool) or not seconds >= 0 or seconds == float("inf"):
-        raise ValueError(f"{name} must be a finite number of seconds >= 0 ({meaning}), got {value!r}")
+    low_ok = seconds > 0 if positive else seconds >= 0
+    if isinstance(value, bool) or not low_ok or seconds == float("inf"):
+        bound = "> 0" if positive else ">= 0"
+        raise ValueError(f"{name} must be a finite number of seconds {bound} ({meaning}), got {value!r}")
     return seconds
 
 
@@ -233,21 +235,15 @@ def check_save_wait(value) -> float:
 
 
 def check_load_timeout(value) -> float:
-    """``load_timeout_s`` as seconds, or ``ValueError`` naming it."""
-    seconds = _check_seconds("load_timeout_s", value, "how long a load may take before its request recomputes")
-    if seconds <= 0:
-        raise ValueError(f"load_timeout_s must be > 0 seconds (how long a load may take before its request "
-                         f"recomputes), got {value!r}")
-    return seconds
+    """``load_timeout_s`` as seconds > 0, or ``ValueError`` naming it."""
+    return _check_seconds("load_timeout_s", value, "how long a load may take before its request recomputes",
+                          positive=True)
 
 
 def check_lookup_timeout(value) -> float:
-    """``lookup_timeout_s`` as seconds, or ``ValueError`` naming it."""
-    seconds = _check_seconds("lookup_timeout_s", value, "how long a lookup waits for the store before its requests miss")
-    if seconds <= 0:
-        raise ValueError(f"lookup_timeout_s must be > 0 seconds (how long a lookup waits for the store before its "
-                         f"requests miss), got {value!r}")
-    return seconds
+    """``lookup_timeout_s`` as seconds > 0, or ``ValueError`` naming it."""
+    return _check_seconds("lookup_timeout_s", value, "how long a lookup waits for the store before its requests "
+                          "miss", positive=True)
 
 
 def check_put_linger(value) -> float:
