@@ -2,7 +2,7 @@
 
 vLLM's side comes from ``tests/data/vllm_connector_surface_<major.minor>.json``, which
 ``scripts/vllm_surface.py`` writes from each release's wheel without installing it (0.32 is what
-the vLLM tier runs; 0.33 is CUDA-only on PyPI). kvstride's side is read with ``ast`` from the
+the vLLM tier runs; 0.33 and 0.34 are CUDA-only on PyPI). kvstride's side is read with ``ast`` from the
 module(s) under ``python/kvstride/`` that define ``class KVStrideConnector``, following its
 base classes through the project, so no vLLM is needed. Where vLLM is installed, the live
 class and the installed ``base.py`` are checked against the same data.
@@ -34,7 +34,7 @@ PACKAGE = ROOT / "python" / "kvstride"
 DATA = ROOT / "tests" / "data"
 SCRIPT = ROOT / "scripts" / "vllm_surface.py"
 CONNECTOR = "KVStrideConnector"
-REQUIRED_VERSIONS = ("0.32", "0.33")
+REQUIRED_VERSIONS = ("0.32", "0.33", "0.34")
 
 
 def _load_script():
