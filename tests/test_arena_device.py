@@ -164,3 +164,15 @@ def test_an_engine_reports_a_device_save_once_its_copies_landed():
         assert _blocks(kv, groups, [g for _, g, _ in gets], [b for _, _, b in gets]) == saved
     finally:
         engine.shutdown()
+
+
+def test_slots_fit_the_stored_groups_only():
+    """A scratch ring larger than every stored group's block takes no room in a slot."""
+    kv = {"fa": torch.zeros(8, 2, 16, 2, 32, dtype=torch.bfloat16), "ring": torch.zeros(8, 2, 4, 64, 64)}
+    layout = KVLayout(kv, [["fa"], ["ring"]])
+    assert layout.block_bytes(1) > layout.block_bytes(0)
+    arena = HostArena(layout, 4, stored_groups=[0])
+    assert arena.slot_bytes == layout.block_bytes(0)
+    arena.save([0], [0], [3])
+    with pytest.raises(ValueError, match="group 1 is not stored"):
+        arena.save([1], [1], [3])

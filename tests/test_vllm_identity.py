@@ -201,3 +201,18 @@ def test_an_unknown_key_is_refused_naming_the_nearest(llama_dir):
         keys(vllm_config(llama_dir, {"store": "mooncake", "secret_flie": "/etc/kvstride/deploy.key"}))
     with pytest.raises(ValueError, match="unknown key 'no_such_option'"):
         keys(vllm_config(llama_dir, {"store": "embedded", "no_such_option": 1}))
+
+
+def test_the_arena_is_sized_for_the_groups_it_stores(llama_dir):
+    """A scratch ring (never stored) takes no room in the embedded store's slots: the scheduler
+    counts slots, and each worker sizes them, by the keyed groups' blocks alone."""
+    from vllm.v1.kv_cache_interface import CircularBufferSpec
+
+    full = FullAttentionSpec(block_size=32, num_kv_heads=2, head_size=32, dtype=torch.bfloat16)
+    ring = CircularBufferSpec(block_size=32, num_kv_heads=8, head_size=128, dtype=torch.bfloat16)
+    config = KVCacheConfig(num_blocks=64, kv_cache_tensors=[], kv_cache_groups=[
+        KVCacheGroupSpec(["a"], full), KVCacheGroupSpec(["r"], ring)])
+    assert ring.page_size_bytes > full.page_size_bytes
+    resolved = resolve_config(vllm_config(llama_dir, {"store": "embedded", "store_bytes": 1 << 20}), config, worker=True)
+    assert resolved.store.stored_groups == (0,)
+    assert resolved.store.num_slots == (1 << 20) // full.page_size_bytes

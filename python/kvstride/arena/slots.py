@@ -46,10 +46,13 @@ class HostArena:
         *,
         copier: Optional[str] = None,
         slot_bytes: Optional[int] = None,
+        stored_groups=None,
     ) -> None:
         if layout is None and slot_bytes is None:
             raise ValueError("HostArena needs a layout or slot_bytes")
-        size = slot_bytes if slot_bytes is not None else max(g.block_bytes for g in layout.groups)
+        # The groups whose blocks are saved here (None: all): a scratch ring's need no room.
+        self.stored_groups = None if stored_groups is None else tuple(int(g) for g in stored_groups)
+        size = slot_bytes if slot_bytes is not None else self._largest_block(layout)
         self.slot_bytes = -(-int(size) // ALIGN) * ALIGN
         if self.slot_bytes <= 0:
             raise ValueError(f"slot_bytes must be positive, got {slot_bytes}")
@@ -71,8 +74,8 @@ class HostArena:
             self.attach(layout, copier=copier)
 
     def attach(self, layout: KVLayout, *, copier: Optional[str] = None) -> None:
-        """Copy blocks of ``layout`` from now on (its blocks must fit a slot)."""
-        largest = max(g.block_bytes for g in layout.groups)
+        """Copy blocks of ``layout`` from now on (its stored groups' blocks must fit a slot)."""
+        largest = self._largest_block(layout)
         if largest > self.slot_bytes:
             raise ValueError(
                 f"slot_bytes={self.slot_bytes} is smaller than a block of this KV cache ({largest} bytes); "
@@ -90,6 +93,10 @@ class HostArena:
         if copier == "device":
             self._device = DeviceCopier(layout, self.buffer, self.slot_bytes, self._piece_views, self._pieces.piece_start)
 
+    def _largest_block(self, layout: KVLayout) -> int:
+        groups = range(len(layout.groups)) if self.stored_groups is None else self.stored_groups
+        return max((layout.groups[g].block_bytes for g in groups), default=1)
+
     @property
     def nbytes(self) -> int:
         return self.buffer.numel()
@@ -104,6 +111,8 @@ class HostArena:
         for g in np.unique(groups):
             if not 0 <= g < len(self.layout.groups):
                 raise ValueError(f"group {g} out of range (layout has {len(self.layout.groups)} groups)")
+            if self.stored_groups is not None and g not in self.stored_groups:
+                raise ValueError(f"group {g} is not stored in this arena (its slots fit groups {self.stored_groups})")
             ids = block_ids[groups == g]
             if ids.min() < 0 or ids.max() >= self.layout.groups[g].num_blocks:
                 raise ValueError(f"block id out of range for group {g}")
@@ -279,15 +288,16 @@ class ArenaSlots:
 
     takes_digests = False
 
-    def __init__(self, num_slots: int, copier: Optional[str] = None) -> None:
+    def __init__(self, num_slots: int, copier: Optional[str] = None, stored_groups=None) -> None:
         self.num_slots = int(num_slots)
         self.copier = copier  # HostArena's; None: the KV tensors' device decides
+        self.stored_groups = stored_groups  # HostArena's: the groups its slots must fit (None: all)
         self.arena: Optional[HostArena] = None  # once the engine binds the KV layout
         self._corrupt: List[int] = []
         self._lock = threading.Lock()  # the load lane adds, the step thread takes
 
     def bind_layout(self, layout: KVLayout) -> None:
-        self.arena = HostArena(layout, self.num_slots, copier=self.copier)
+        self.arena = HostArena(layout, self.num_slots, copier=self.copier, stored_groups=self.stored_groups)
 
     def save_blocks(self, slots, groups, block_ids) -> List[Status]:
         self.arena.save(slots, groups, block_ids)

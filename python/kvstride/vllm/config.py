@@ -265,7 +265,10 @@ def resolve_config(vllm_config, kv_cache_config, worker: bool) -> ConnectorConfi
     pc = vllm_config.parallel_config
     _refuse_unsupported_parallelism(pc)
     # Keys per TP rank (SEMANTICS §3), as many ranks as the store keys apart.
-    store = choose_store(extra, kv_cache_config, max(1, int(getattr(pc, "tensor_parallel_size", 1) or 1)))
+    # Which groups the core keys (never a scratch ring): the arena's slots need fit only theirs.
+    keyed = kvstride.KeyPlanner(groups, hash_block_size=H, scheduler_block_size=S, namespace="groups").hashes_per_block
+    store = choose_store(extra, kv_cache_config, max(1, int(getattr(pc, "tensor_parallel_size", 1) or 1)),
+                         [g for g, per_block in enumerate(keyed) if per_block])
     if store.kind == "mooncake":
         check_strong_hash(vllm_config, extra)
     # Only a store other engines share can meet other weights (the arena lives and dies with its engine).

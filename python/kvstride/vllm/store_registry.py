@@ -13,7 +13,7 @@ import hashlib
 import logging
 import threading
 from dataclasses import dataclass
-from typing import Dict, Optional, Tuple
+from typing import Dict, Optional, Sequence, Tuple
 
 from kvstride.arena import ArenaPlacement, ArenaSlots, slots_for
 from kvstride.mooncake_config import parse_size, resolve_client_config
@@ -40,25 +40,31 @@ class StoreChoice:
     kind: str  # "embedded" or "mooncake"
     keyed_ranks: int  # TP ranks whose keys differ (SEMANTICS §3)
     num_slots: int = 0  # arena slots per rank (embedded)
+    stored_groups: Optional[Tuple[int, ...]] = None  # the groups whose blocks are stored (embedded)
 
 
-def choose_store(extra: dict, kv_cache_config, tp_size: int) -> StoreChoice:
+def choose_store(extra: dict, kv_cache_config, tp_size: int, stored_groups: Optional[Sequence[int]] = None) -> StoreChoice:
     """The configured store. The arena's keys never leave the scheduler's index and every rank
     writes its own shard into the same slot, so it keys as one rank; a Mooncake store is
-    shared by every rank, so each keys (and stripes) its own heads."""
+    shared by every rank, so each keys (and stripes) its own heads. The arena's slots are sized
+    for ``stored_groups`` (the groups the planner keys: never a scratch ring), all by default."""
     kind = str(extra.get("store", "embedded"))
     if kind == "embedded":
         store_bytes = parse_size(extra.get("store_bytes", DEFAULT_STORE_BYTES), "store_bytes")
-        return StoreChoice(kind, 1, slots_for(store_bytes, arena_slot_bytes(kv_cache_config)))
+        stored = None if stored_groups is None else tuple(stored_groups)
+        return StoreChoice(kind, 1, slots_for(store_bytes, arena_slot_bytes(kv_cache_config, stored)), stored)
     if kind == "mooncake":
         return StoreChoice(kind, tp_size)
     raise ValueError(f"unknown kvstride store {kind!r}; use 'embedded' (the default) or 'mooncake'")
 
 
-def arena_slot_bytes(kv_cache_config) -> int:
-    """An upper bound of one block's bytes on one rank, over every group: what the scheduler
-    sizes the arena's slots by (each worker's slots are at most this large)."""
-    return max(_group_page_bytes(g) for g in kv_cache_config.kv_cache_groups)
+def arena_slot_bytes(kv_cache_config, stored_groups: Optional[Sequence[int]] = None) -> int:
+    """An upper bound of one block's bytes on one rank, over the groups stored (every group by
+    default): what the scheduler sizes the arena's slots by (each worker's slots are at most
+    this large)."""
+    groups = kv_cache_config.kv_cache_groups
+    chosen = range(len(groups)) if stored_groups is None else stored_groups
+    return max((_group_page_bytes(groups[g]) for g in chosen), default=1)
 
 
 def _group_page_bytes(group) -> int:
@@ -138,7 +144,9 @@ def open_side_store(config, vllm_config, worker: bool):
     scheduler's wrapped in a :class:`~kvstride.stores.placement.StorePlacement`; engines
     share what they store, so their block hashes must agree."""
     if config.store.kind == "embedded":
-        return (ArenaSlots if worker else ArenaPlacement)(config.store.num_slots), None
+        if worker:
+            return ArenaSlots(config.store.num_slots, stored_groups=config.store.stored_groups), None
+        return ArenaPlacement(config.store.num_slots), None
     check_reproducible_hashes(vllm_config, shared=True)
     if config.secret is None:
         warn_unauthenticated_store()
