@@ -86,7 +86,7 @@ class _Records(logging.Handler):
 def warnings_seen(monkeypatch):
     """The warnings kvstride logs (pytest's logging plugin is off in this tier), with the
     once-per-process flag reset first."""
-    monkeypatch.setattr(vllm_checks, "_warned", False)
+    monkeypatch.setattr(vllm_checks, "_warned_keys", set())
     handler = _Records()
     logger = logging.getLogger("kvstride.vllm")
     logger.addHandler(handler)
@@ -251,7 +251,7 @@ def test_spawned_process_inherits_the_verdict_and_hashes_the_same(seed0, fresh_n
 def test_unauthenticated_store_warning_once_per_process(warnings_seen, monkeypatch):
     """A shared store without a secret: one warning however many connectors (scheduler and
     workers) the process builds, naming the secret_file setting."""
-    monkeypatch.setattr(vllm_checks, "_warned_unauthenticated", False)
+    monkeypatch.setattr(vllm_checks, "_warned_keys", set())
     for _ in range(3):
         vllm_checks.warn_unauthenticated_store()
     assert len(warnings_seen) == 1 and "secret_file" in warnings_seen[0], warnings_seen

@@ -117,7 +117,7 @@ def test_the_weights_are_read_by_the_scheduler_only(llama_dir, monkeypatch):
 
 
 def test_a_checkpoint_not_on_this_host_is_named_in_one_warning(warnings_seen, monkeypatch):
-    monkeypatch.setattr("kvstride.vllm.config._warned_unverified", False)
+    monkeypatch.setattr(checks, "_warned_keys", set())
     for _ in range(2):
         keys(vllm_config("no-such-org/no-such-model"))
     assert len([m for m in warnings_seen if "model_identity" in m and "no-such-model" in m]) == 1
@@ -136,7 +136,7 @@ def test_dummy_weights_are_identified_by_their_config(llama_dir, tmp_path):
 
 @pytest.fixture
 def fresh_warnings(monkeypatch):
-    monkeypatch.setattr(checks, "_warned_weak", False)
+    monkeypatch.setattr(checks, "_warned_keys", set())
     monkeypatch.setenv("PYTHONHASHSEED", "0")
 
 

@@ -150,7 +150,7 @@ def test_the_secret_never_leaves_its_file(model_dirs, mooncake_master, tmp_path,
         real = getattr(kv_vllm.KVStrideConnector, method)
         monkeypatch.setattr(kv_vllm.KVStrideConnector, method,
                             lambda self, *a, _real=real, **k: sent.append(_real(self, *a, **k)) or sent[-1])
-    monkeypatch.setattr(kv_checks, "_warned_tcp", False)  # logged once per process: this test's engine's
+    monkeypatch.setattr(kv_checks, "_warned_keys", set())  # logged once per process: this test's engine's
     configs = []  # each side's resolved configuration (kvstride.vllm.config.ConnectorConfig)
     real_resolve = kv_connector.resolve_config
     monkeypatch.setattr(kv_connector, "resolve_config", lambda *a, **k: configs.append(real_resolve(*a, **k)) or configs[-1])

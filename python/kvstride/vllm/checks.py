@@ -45,6 +45,7 @@ __all__ = [
     "check_reproducible_hashes",
     "check_strong_hash",
     "warn_secret_on_tcp",
+    "warn_once",
     "WEAK_HASH_ALGOS",
     "warn_unauthenticated_store",
     "hash_reproducibility_problems",
@@ -71,11 +72,8 @@ _FIX = (
 #: block that collides with another prefix's hash.
 WEAK_HASH_ALGOS = ("xxhash", "xxhash_cbor")
 
-_warned = False
+_warned_keys: set = set()  # what warn_once logged in this process
 _warned_lock = threading.Lock()
-_warned_unauthenticated = False
-_warned_weak = False
-_warned_tcp = False
 
 SECRET_ON_TCP = (
     "kvstride: secret_file authenticates values against clients of the Mooncake store that lack it, "
@@ -142,13 +140,22 @@ def hash_portability_warning(vllm_config) -> Optional[str]:
     )
 
 
+def warn_once(key: str, message: str, *args) -> None:
+    """Log ``message`` once per process for ``key`` (not once per connector: a scheduler and
+    every worker build one)."""
+    with _warned_lock:
+        if key in _warned_keys:
+            return
+        _warned_keys.add(key)
+    log.warning(message, *args)
+
+
 def check_reproducible_hashes(vllm_config, shared: bool) -> None:
     """For a ``shared`` store (it outlives this engine or other engines use it): raise
     ``ValueError`` if vLLM's block hashes under ``vllm_config`` and ``os.environ`` could never
     match another engine's (a random NONE_HASH seed), naming the setting and its fix; otherwise
     log :func:`hash_portability_warning`, if any, once per process. Says nothing when not
     ``shared``: within one engine the hashes always agree."""
-    global _warned
     if not shared:
         return
     problems = hash_reproducibility_problems(vllm_config)
@@ -158,20 +165,14 @@ def check_reproducible_hashes(vllm_config, shared: bool) -> None:
             "between them, so it would never hit: " + "; and ".join(problems)
         )
     warning = hash_portability_warning(vllm_config)
-    if warning is None:
-        return
-    with _warned_lock:
-        if _warned:
-            return
-        _warned = True
-    log.warning("%s", warning)
+    if warning is not None:
+        warn_once("portability", "%s", warning)
 
 
 def check_strong_hash(vllm_config, extra: dict) -> None:
     """A store shared across engines (Mooncake) with a non-cryptographic block hash is a
     ``ValueError`` naming the fix, unless ``extra["allow_weak_hash"]`` is ``true`` (a
     single-tenant choice, logged once per process)."""
-    global _warned_weak
     allow = extra.get("allow_weak_hash", False)
     if not isinstance(allow, bool):
         raise ValueError(f"kv_connector_extra_config['allow_weak_hash']={allow!r}: use true or false")
@@ -186,11 +187,8 @@ def check_strong_hash(vllm_config, extra: dict) -> None:
             f"{_FIX}, or set kv_connector_extra_config['allow_weak_hash']=true if only trusted prompts reach "
             "every engine of this store"
         )
-    with _warned_lock:
-        if _warned_weak:
-            return
-        _warned_weak = True
-    log.warning(
+    warn_once(
+        "weak-hash",
         "kvstride: allow_weak_hash: prefix_caching_hash_algo=%r on a shared store; a prompt crafted to collide "
         "with another prefix's block hash makes every engine of the store load its KV for that prefix", algo,
     )
@@ -198,20 +196,10 @@ def check_strong_hash(vllm_config, extra: dict) -> None:
 
 def warn_secret_on_tcp() -> None:
     """Log :data:`SECRET_ON_TCP` once per process."""
-    global _warned_tcp
-    with _warned_lock:
-        if _warned_tcp:
-            return
-        _warned_tcp = True
-    log.warning("%s", SECRET_ON_TCP)
+    warn_once("secret-on-tcp", "%s", SECRET_ON_TCP)
 
 
 def warn_unauthenticated_store() -> None:
     """Log, once per process (not once per connector: a scheduler and every worker build one),
     that a shared store without the deployment secret is unauthenticated."""
-    global _warned_unauthenticated
-    with _warned_lock:
-        if _warned_unauthenticated:
-            return
-        _warned_unauthenticated = True
-    log.warning("%s", UNAUTHENTICATED)
+    warn_once("unauthenticated", "%s", UNAUTHENTICATED)

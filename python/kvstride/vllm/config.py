@@ -6,7 +6,6 @@ Configuration that cannot work is a ``ValueError`` here, at construction."""
 from __future__ import annotations
 
 import difflib
-import logging
 from dataclasses import dataclass, field
 from typing import List, Optional
 
@@ -24,15 +23,13 @@ from kvstride.engine import (
     check_save_wait,
 )
 from kvstride.secret import load_secret
-from kvstride.vllm.checks import check_strong_hash
+from kvstride.vllm.checks import check_strong_hash, warn_once
 from kvstride.vllm.store_registry import StoreChoice, choose_store
 
 __all__ = [
     "ConnectorConfig", "resolve_config", "group_specs", "model_identity", "ADMISSION_POLICIES", "check_admission",
     "KNOWN_KEYS", "check_known_keys",
 ]
-
-log = logging.getLogger("kvstride.vllm")
 
 #: ``kv_connector_extra_config["admission"]``: ``kvstride`` keeps a window group's blocks only
 #: where a later lookup can hit (SEMANTICS §8, under vLLM's ``prefix_cache_retention_interval``);
@@ -171,9 +168,6 @@ def _fingerprint(vllm_config, kv_cache_config, groups) -> str:
     return kvstride.layout_fingerprint(desc)
 
 
-_warned_unverified = False
-
-
 def model_identity(vllm_config, extra: dict) -> str:
     """What the weights contribute to the key namespace: the operator's
     ``kv_connector_extra_config["model_identity"]`` when set, else the digest of the checkpoint
@@ -194,15 +188,13 @@ def model_identity(vllm_config, extra: dict) -> str:
     if load_format == "dummy":  # vLLM's seeded random weights: only the config decides them
         return "dummy:" + (checkpoint_digest(path, weights=False).digest if path is not None else str(model.model))
     if path is None:
-        global _warned_unverified
-        if not _warned_unverified:
-            _warned_unverified = True
-            log.warning(
-                "kvstride: the checkpoint of model %r was not found on this host, so the store's keys cannot "
-                "cover its weights: an engine with other weights under this name would share its KV; set "
-                "kv_connector_extra_config['model_identity'] to a tag that changes with the weights",
-                str(model.model),
-            )
+        warn_once(
+            "unverified-checkpoint",
+            "kvstride: the checkpoint of model %r was not found on this host, so the store's keys cannot "
+            "cover its weights: an engine with other weights under this name would share its KV; set "
+            "kv_connector_extra_config['model_identity'] to a tag that changes with the weights",
+            str(model.model),
+        )
         return "unverified:" + str(model.model)
     return "weights:" + checkpoint_digest(path).digest
 
@@ -266,7 +258,7 @@ def resolve_config(vllm_config, kv_cache_config, worker: bool) -> ConnectorConfi
     _refuse_unsupported_parallelism(pc)
     # Keys per TP rank (SEMANTICS §3), as many ranks as the store keys apart.
     # Which groups the core keys (never a scratch ring): the arena's slots need fit only theirs.
-    keyed = kvstride.KeyPlanner(groups, hash_block_size=H, scheduler_block_size=S, namespace="groups").hashes_per_block
+    keyed = kvstride.hashes_per_block(groups, H)
     store = choose_store(extra, kv_cache_config, max(1, int(getattr(pc, "tensor_parallel_size", 1) or 1)),
                          [g for g, per_block in enumerate(keyed) if per_block])
     if store.kind == "mooncake":

@@ -53,8 +53,8 @@ TIMED = {"load_seconds": "get", "save_seconds": "put"}
 SUCCESSES = frozenset({"get_ok", "put_ok", "put_skipped_present"})
 #: ...and these engine counters.
 FAILURE_COUNTERS = frozenset(
-    {"loads_failed", "loads_timed_out", "lookup_timeouts", "saves_failed", "load_job_errors", "save_job_errors", "lookup_errors",
-     "mac_rejected"}
+    {"loads_failed", "loads_timed_out", "lookup_timeouts", "saves_failed", "load_job_errors", "save_job_errors",
+     "lookup_errors", "mac_rejected"}
 )
 FAILED = "failed:"
 
