@@ -129,7 +129,7 @@ def _perturb_group_on_load(monkeypatch, group: int) -> list:
         ids = torch.tensor([b for g, b in zip(groups, block_ids) if g == group], dtype=torch.int64)
         if len(ids):
             for piece in range(len(self.layout.groups[group].pieces)):
-                kv, _ = self._piece_views(group, piece)
+                kv = self._kv_view(group, piece)
                 kv.index_copy_(0, ids, kv.index_select(0, ids).flip(-1))
             perturbed.extend(ids.tolist())
         return ok

@@ -42,17 +42,17 @@ def slot_runs(slots: np.ndarray) -> List[Tuple[int, int, int]]:
 
 class DeviceCopier:
     """Copies blocks of ``layout`` between the device and the host buffer ``host`` (uint8, one
-    ``slot_bytes`` slot after another; pinned for CUDA). ``piece_views(group, piece)`` gives a
+    ``slot_bytes`` slot after another; pinned for CUDA). ``kv_view(group, piece)`` gives a
     piece's KV view ``(num_blocks, size)`` and ``piece_start(group, piece)`` its offset in a
     slot."""
 
-    def __init__(self, layout, host: torch.Tensor, slot_bytes: int, piece_views: Callable, piece_start: Callable,
+    def __init__(self, layout, host: torch.Tensor, slot_bytes: int, kv_view: Callable, piece_start: Callable,
                  stage_bytes: int = STAGE_BYTES) -> None:
         self.layout = layout
         self.host = host
         self.slot_bytes = int(slot_bytes)
         self.device = layout.device or torch.device("cpu")
-        self._piece_views = piece_views
+        self._kv_view = kv_view
         self._piece_start = piece_start
         self._pieces = [len(g.pieces) for g in layout.groups]
         self.chunk_slots = max(1, int(stage_bytes) // self.slot_bytes)
@@ -85,7 +85,7 @@ class DeviceCopier:
     def _gather(self, staging: torch.Tensor, groups: np.ndarray, block_ids: np.ndarray) -> None:
         for g, rows, ids in self._by_group(groups, block_ids):
             for j in range(self._pieces[g]):
-                kv, _ = self._piece_views(g, j)
+                kv = self._kv_view(g, j)
                 self._staging_piece(staging, g, j, kv.shape[1]).index_copy_(0, rows, kv.index_select(0, ids))
 
     # ---- loads -------------------------------------------------------------------------
@@ -105,7 +105,7 @@ class DeviceCopier:
                     staging[position:position + count].copy_(host, non_blocking=self._stream is not None)
                 for g, rows, ids in self._by_group(groups[lo:hi], block_ids[lo:hi]):
                     for j in range(self._pieces[g]):
-                        kv, _ = self._piece_views(g, j)
+                        kv = self._kv_view(g, j)
                         kv.index_copy_(0, ids, self._staging_piece(staging, g, j, kv.shape[1]).index_select(0, rows))
             return self._done()
 

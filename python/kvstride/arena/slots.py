@@ -69,7 +69,7 @@ class HostArena:
         self._device: Optional[DeviceCopier] = None  # the "device" copier's
         self._pieces: Optional[PieceTable] = None
         self.block_bytes = np.zeros(0, dtype=np.uint64)
-        self._views: Dict[tuple, tuple] = {}
+        self._views: Dict[tuple, torch.Tensor] = {}  # (group, piece) -> its KV view
         if layout is not None:
             self.attach(layout, copier=copier)
 
@@ -91,7 +91,7 @@ class HostArena:
         self._views = {}
         self._device = None
         if copier == "device":
-            self._device = DeviceCopier(layout, self.buffer, self.slot_bytes, self._piece_views, self._pieces.piece_start)
+            self._device = DeviceCopier(layout, self.buffer, self.slot_bytes, self._kv_view, self._pieces.piece_start)
 
     def _largest_block(self, layout: KVLayout) -> int:
         groups = range(len(layout.groups)) if self.stored_groups is None else self.stored_groups
@@ -133,25 +133,14 @@ class HostArena:
 
     # ---- the device path ------------------------------------------------------------------
 
-    def _piece_views(self, group: int, piece: int):
-        """(KV view (num_blocks, size), slot view (num_slots, size)) of one piece, as uint8."""
+    def _kv_view(self, group: int, piece: int) -> torch.Tensor:
+        """One piece of every block of ``group`` in the KV cache: ``(num_blocks, size)`` uint8."""
         key = (group, piece)
         if key not in self._views:
             p = self.layout.groups[group].pieces[piece]
             storage = self.layout.storages[p.storage]
-            kv = storage.as_strided((self.layout.groups[group].num_blocks, p.size), (p.stride, 1), p.offset)
-            off = self._pieces.piece_start(group, piece)
-            slot = self.buffer.as_strided((self.num_slots, p.size), (self.slot_bytes, 1), off)
-            self._views[key] = (kv, slot)
+            self._views[key] = storage.as_strided((self.layout.groups[group].num_blocks, p.size), (p.stride, 1), p.offset)
         return self._views[key]
-
-    def _device_copy(self, slots, groups, block_ids, to_arena: bool) -> None:
-        """The device path, waiting for its copies to land (the host then reads the slots'
-        bytes, or the caller is told the blocks are written)."""
-        copy = self._device.save if to_arena else self._device.load
-        done = copy(slots, groups, block_ids)
-        if done is not None:
-            done.synchronize()
 
     # ---- saves and loads ----------------------------------------------------------------
 
@@ -213,7 +202,9 @@ class HostArena:
             return ok
         good = self._digest(s, g) == self.digests[s] if verify else np.ones(len(s), dtype=bool)
         if good.any():
-            self._device_copy(s[good], g[good], b[good], to_arena=False)
+            written = self._device.load(s[good], g[good], b[good])
+            if written is not None:  # the caller is told the blocks are written: they must be
+                written.synchronize()
         ok[candidates] = good
         return ok
 
@@ -300,8 +291,8 @@ class ArenaSlots:
         self.arena = HostArena(layout, self.num_slots, copier=self.copier, stored_groups=self.stored_groups)
 
     def save_blocks(self, slots, groups, block_ids) -> List[Status]:
-        self.arena.save(slots, groups, block_ids)
-        return [Status.OK] * len(slots)
+        started = self.save_blocks_begin(slots, groups, block_ids)
+        return started() if callable(started) else started
 
     def save_blocks_begin(self, slots, groups, block_ids):
         """``save_blocks``' statuses when the copy is done, else a ``finish()`` returning
