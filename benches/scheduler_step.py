@@ -15,6 +15,13 @@ blocks, one TP rank. Stores: the embedded store (the scheduler plans every save 
 slots) and Mooncake (a real ``mooncake_master`` on loopback; the scheduler sends the save
 requests its workers plan).
 
+A second table: the step while vLLM's waiting queue is blocked at its head (KV memory full,
+exactly when offload matters): ``QUEUE`` waiting prompts of ``QUEUE_TOKENS`` tokens, vLLM
+asking the head's hit every step (``get_num_new_matched_tokens``, then the head cannot be
+allocated), while one running request prefills a chunk and saves it every step (so the
+store's content changes every step). Reported per step: the connector's time, the store's
+existence calls and the keys they ask, at TP=1 and TP=4 (Mooncake keys each rank's heads).
+
 Usage: python benches/scheduler_step.py [--steps 512] [--repeat 5] [--json]
 Run with the vLLM venv (``.venv-vllm/bin/python``): the metadata classes are vLLM's.
 Each figure is the median over ``--repeat`` runs (interleaved across the context lengths) of
@@ -38,6 +45,7 @@ import kvstride
 from kvstride.arena import ArenaPlacement
 from kvstride.stores.placement import StorePlacement
 from kvstride.vllm.config import ConnectorConfig
+from kvstride.vllm.lookups import LOOKUP_BATCH_TOKENS
 from kvstride.vllm.metadata import JOB_REPORTS, KVStrideWorkerMetadata
 from kvstride.vllm.scheduler import SchedulerSide
 from kvstride.vllm.store_registry import StoreChoice
@@ -105,16 +113,29 @@ class Workload:
         self._grow()
 
 
-def config(store_kind: str) -> ConnectorConfig:
+def config(store_kind: str, tp: int = 1) -> ConnectorConfig:
     groups = [
         kvstride.GroupSpec("full_attention", BLOCK, num_kv_heads=4),
         kvstride.GroupSpec("sliding_window", BLOCK, window=WINDOW, num_kv_heads=4),
     ]
     S, H = kvstride.resolve_block_sizes(groups)
-    planner = kvstride.KeyPlanner(groups, hash_block_size=H, scheduler_block_size=S,
-                                  namespace=kvstride.Namespace("bench", fingerprint="00" * 8))
-    store = StoreChoice(store_kind, 1, num_slots=1 << 16 if store_kind == "embedded" else 0)
-    return ConnectorConfig({"store": store_kind}, groups, "00" * 8, planner, [planner], 0, None, store, world_size=1)
+    keyed = tp if store_kind == "mooncake" else 1  # the arena keys as one rank
+
+    def planner(rank: int) -> kvstride.KeyPlanner:
+        namespace = kvstride.Namespace("bench", fingerprint="00" * 8, tp_rank=rank)
+        return kvstride.KeyPlanner(groups, hash_block_size=H, scheduler_block_size=S, namespace=namespace,
+                                   tp_size=keyed, tp_rank=rank)
+
+    planners = [planner(rank) for rank in range(keyed)]
+    store = StoreChoice(store_kind, keyed, num_slots=1 << 16 if store_kind == "embedded" else 0)
+    return ConnectorConfig({"store": store_kind}, groups, "00" * 8, planners[0], planners, 0, None, store, world_size=tp)
+
+
+def report_all_ranks(side: SchedulerSide, jobs) -> None:
+    """Every rank wrote its part of ``jobs`` (each rank reports on its own)."""
+    for _ in range(side.world_size):
+        report = KVStrideWorkerMetadata(saves={job: list(JOB_REPORTS["ok"]) for job in jobs})
+        side.update_connector_output(SimpleNamespace(finished_recving=(), failed_recving=(), kv_connector_worker_meta=report))
 
 
 def run_steps(side: SchedulerSide, work: Workload, steps: int) -> float:
@@ -130,9 +151,7 @@ def run_steps(side: SchedulerSide, work: Workload, steps: int) -> float:
         pickle.dumps(meta, protocol=pickle.HIGHEST_PROTOCOL)
         jobs = list(meta.saves)
         if jobs:  # every rank wrote its part
-            report = KVStrideWorkerMetadata(saves={job: list(JOB_REPORTS["ok"]) for job in jobs})
-            side.update_connector_output(SimpleNamespace(finished_recving=(), failed_recving=(),
-                                                         kv_connector_worker_meta=report))
+            report_all_ranks(side, jobs)
         spent += time.perf_counter() - start
     return spent / steps
 
@@ -149,11 +168,76 @@ def measure(store_kind: str, store, context: int, steps: int) -> float:
     finally:
         side.shutdown()
 
+QUEUE = 300  # waiting prompts behind a head that cannot be allocated
+QUEUE_TOKENS = 8192
+CHUNK = 512  # the running request's prefill chunk: it saves every step
+QUEUE_STEPS = 64
+QUEUE_GOAL_MS = 5.0
+
+
+class CountingExists:
+    """The placement's ``exists``, counted: calls and keys asked."""
+
+    def __init__(self, placement) -> None:
+        self.inner = placement.exists
+        self.calls = 0
+        self.keys = 0
+        placement.exists = self
+
+    def __call__(self, keys):
+        self.calls += 1
+        self.keys += len(keys)
+        return self.inner(keys)
+
+
+def queue_step_costs(store_kind: str, store, tp: int, steps: int) -> dict:
+    """Per step, with the waiting queue blocked at its head: the connector's seconds (the head's
+    lookup, the step's plans and pickled metadata, the ranks' reports), store calls and keys."""
+    cfg = config(store_kind, tp)
+    placement = ArenaPlacement(cfg.store.num_slots) if store is None else StorePlacement(store)
+    side = SchedulerSide(cfg, placement)
+    counter = CountingExists(placement)
+    try:
+        waiting = []
+        for r in range(QUEUE):
+            hashes = [block_hash((r + 1) << 32 | i) for i in range(QUEUE_TOKENS // BLOCK)]
+            waiting.append(SimpleNamespace(request_id=f"w{r}", block_hashes=hashes, num_tokens=QUEUE_TOKENS,
+                                           num_prompt_tokens=QUEUE_TOKENS))
+            side.on_new_request(waiting[-1])
+        running = Workload(0)
+        running.request.num_prompt_tokens = 1 << 20
+        side.on_new_request(running.request)
+        side.update_state_after_alloc(running.request, SimpleNamespace(get_block_ids=lambda: ([], [])), 0)
+        spent, calls, keys = [], [], []
+        for _ in range(steps):
+            computed = running.num_tokens
+            running.num_tokens += CHUNK
+            running._grow()
+            output = running.output(computed, CHUNK)
+            before = (counter.calls, counter.keys)
+            start = time.perf_counter()
+            side.get_num_new_matched_tokens(waiting[0], 0)  # vLLM asks the head; it does not fit
+            meta = side.build_connector_meta(output)
+            pickle.dumps(meta, protocol=pickle.HIGHEST_PROTOCOL)
+            if meta.saves:
+                report_all_ranks(side, list(meta.saves))
+            spent.append(time.perf_counter() - start)
+            calls.append(counter.calls - before[0])
+            keys.append(counter.keys - before[1])
+        # The bound: the head's keys and LOOKUP_BATCH_TOKENS of other waiting requests' (a shared store).
+        head_keys = len(cfg.planner.lookup_keys(waiting[0].block_hashes, QUEUE_TOKENS))
+        return {"ms_per_step": statistics.median(spent) * 1e3, "max_ms": max(spent) * 1e3,
+                "store_calls_per_step": max(calls), "max_keys_per_step": max(keys),
+                "key_bound": head_keys * (1 + LOOKUP_BATCH_TOKENS // QUEUE_TOKENS)}
+    finally:
+        side.shutdown()
+
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=512)
     ap.add_argument("--repeat", type=int, default=5)
+    ap.add_argument("--queue-steps", type=int, default=QUEUE_STEPS)
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     from kvstride.stores import MooncakeStore, start_master
@@ -172,6 +256,8 @@ def main() -> int:
             for context in CONTEXTS:
                 rows.append({"store": kind, "context": context, "us_per_step": statistics.median(runs[context]) * 1e6,
                              "runs_us": [round(r * 1e6, 1) for r in runs[context]]})
+        queue = [dict(store=kind, tp=tp, **queue_step_costs(kind, st, tp, args.queue_steps))
+                 for kind, st in (("embedded", None), ("mooncake", store)) for tp in (1, 4)]
     finally:
         store.close()
         master.stop()
@@ -180,16 +266,27 @@ def main() -> int:
         for r in rows:
             if r["store"] == kind:
                 r["ratio_vs_1k"] = r["us_per_step"] / base
+    met = all(q["ms_per_step"] <= QUEUE_GOAL_MS and q["store_calls_per_step"] <= 1
+              and q["max_keys_per_step"] <= q["key_bound"] for q in queue)
     if args.json:
         print(json.dumps({"machine": platform.processor() or platform.machine(), "cpus": os.cpu_count(),
-                          "steps": args.steps, "repeat": args.repeat, "rows": rows}, indent=1))
-        return 0
+                          "steps": args.steps, "repeat": args.repeat, "rows": rows, "queue": queue,
+                          "queue_goal_met": met}, indent=1))
+        return 0 if met else 1
     print(f"# {platform.machine()}, {os.cpu_count()} CPUs, {args.steps} steps x {args.repeat} runs (median of means)")
     print("| store | context | µs per step | × the 1k step |")
     print("|---|---|---|---|")
     for r in rows:
         print(f"| {r['store']} | {r['context'] // 1024}k | {r['us_per_step']:.1f} | {r['ratio_vs_1k']:.2f} |")
-    return 0
+    print(f"\n# {QUEUE} waiting {QUEUE_TOKENS // 1024}k-token prompts blocked at the head, {args.queue_steps} steps "
+          f"(goal: <= {QUEUE_GOAL_MS:g} ms and <= 1 store call of bounded keys per step)")
+    print("| store | TP | ms per step (median) | max ms | store calls per step (max) | keys per step (max) | key bound |")
+    print("|---|---|---|---|---|---|---|")
+    for q in queue:
+        print(f"| {q['store']} | {q['tp']} | {q['ms_per_step']:.2f} | {q['max_ms']:.2f} | "
+              f"{q['store_calls_per_step']} | {q['max_keys_per_step']} | {q['key_bound']} |")
+    print("goal met" if met else "goal NOT met")
+    return 0 if met else 1
 
 
 if __name__ == "__main__":

@@ -9,13 +9,14 @@ from __future__ import annotations
 import hashlib
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 
 pytest.importorskip("vllm")
 
 import kvstride  # noqa: E402
 from kvstride.engine import LINGER_MAX_STEPS  # noqa: E402
-from kvstride.stores import EmbeddedStore  # noqa: E402
+from kvstride.stores import EmbeddedStore, Status  # noqa: E402
 from kvstride.stores.placement import StorePlacement  # noqa: E402
 from kvstride.vllm.config import ConnectorConfig, check_admission  # noqa: E402
 from kvstride.vllm.metadata import KVStrideWorkerMetadata  # noqa: E402
@@ -361,6 +362,99 @@ def test_a_long_queue_is_looked_up_as_many_requests_at_a_time_as_a_pass_admits()
         store.close()
 
 
+class KeysAsked:
+    """A placement's ``exists``, recording how many keys each call asked."""
+
+    def __init__(self, placement) -> None:
+        self.inner, self.asked = placement.exists, []
+        placement.exists = self
+
+    def __call__(self, keys):
+        self.asked.append(len(keys))
+        return self.inner(keys)
+
+
+def _queue(blocks: int, count: int, salt: bytes = b"q"):
+    tokens = blocks * BLOCK
+    return [SimpleNamespace(request_id=f"{salt.decode()}{i}", block_hashes=_hashes(blocks, salt + str(i).encode()),
+                            num_tokens=tokens, num_prompt_tokens=tokens) for i in range(count)]
+
+
+def _save_prefix(side, rid: str, hashes, tables, ok: int = 1) -> None:
+    """Another request of this engine computes and saves ``hashes`` (every rank reports it)."""
+    tokens = len(hashes) * BLOCK
+    request = SimpleNamespace(request_id=rid, block_hashes=hashes, num_tokens=tokens, num_prompt_tokens=tokens)
+    side.on_new_request(request)
+    side.update_state_after_alloc(request, SimpleNamespace(get_block_ids=lambda: tables), 0)
+    _report(side, side.build_connector_meta(_prefill_step(request, tokens, tables)).saves, ok=ok)
+
+
+def test_a_blocked_head_asks_the_embedded_index_only_when_it_changed():
+    """vLLM asks about the head of a waiting queue every step while it cannot be allocated
+    (KV memory full). The head's hit stands while the arena's index is unchanged: no call
+    at all, and never the queue behind it (before, every step asked about the whole queue).
+    A save that makes part of the head's prompt readable moves the index: the head alone is
+    asked again, and hits it."""
+    _, placement, side = _embedded_side([kvstride.GroupSpec("full_attention", BLOCK)], 4096, "blocked")
+    counted = KeysAsked(placement)
+    try:
+        queue = _queue(16, 50)
+        for request in queue:
+            side.on_new_request(request)
+        head = queue[0]
+        for _ in range(10):
+            assert side.get_num_new_matched_tokens(head, 0) == (0, False)
+            side.build_connector_meta(_idle_step())
+        per_request = len(side.planner.lookup_keys(head.block_hashes, head.num_tokens))
+        assert counted.asked == [per_request]
+        _save_prefix(side, "writer", head.block_hashes[:6], [list(range(1, 7))])
+        assert side.get_num_new_matched_tokens(head, 0) == (6 * BLOCK, True)
+        assert counted.asked == [per_request, per_request]
+    finally:
+        side.shutdown()
+
+
+def test_a_blocked_head_on_a_shared_store_costs_one_bounded_call_per_validity():
+    """On a shared store (a round trip per call) the head's hit stands for
+    REMOTE_HIT_VALIDITY_S: steps in between ask nothing; what this engine wrote since is merged
+    into the hit without a call; another engine's write is seen once the validity passed. The
+    first call covers the head and waiting requests behind it up to LOOKUP_BATCH_TOKENS."""
+    from kvstride.vllm.lookups import LOOKUP_BATCH_TOKENS, REMOTE_HIT_VALIDITY_S
+
+    store = KeyCountingStore()
+    config = _window_config("dense", None)
+    side = SchedulerSide(config, StorePlacement(store))
+    now = [100.0]
+    side.lookups.clock = lambda: now[0]
+    try:
+        blocks = 64
+        queue = _queue(blocks, 300)
+        for request in queue:
+            side.on_new_request(request)
+        head = queue[0]
+        per_request = len(config.planner.lookup_keys(head.block_hashes, head.num_tokens))
+        for _ in range(10):
+            assert side.get_num_new_matched_tokens(head, 0) == (0, False)
+            side.build_connector_meta(_idle_step())
+            now[0] += REMOTE_HIT_VALIDITY_S / 20
+        covered = 1 + LOOKUP_BATCH_TOKENS // (blocks * BLOCK)
+        assert store.asked == [covered * per_request]
+        # This engine saves the head's first 5 blocks (both groups): merged, no call.
+        _save_prefix(side, "writer", head.block_hashes[:5], [list(range(1, 6)), list(range(11, 16))])
+        assert side.get_num_new_matched_tokens(head, 0) == (5 * BLOCK, True)
+        assert len(store.asked) == 1
+        # Another engine's write shows once the answer no longer stands.
+        keys = config.planner.lookup_keys(head.block_hashes, head.num_tokens)
+        assert set(store.put(keys, [np.zeros(64, np.uint8) for _ in keys])) == {Status.OK}
+        assert side.get_num_new_matched_tokens(head, 0) == (5 * BLOCK, True)
+        now[0] += REMOTE_HIT_VALIDITY_S
+        assert side.get_num_new_matched_tokens(head, 0) == (head.num_tokens - BLOCK, True)
+        assert len(store.asked) == 2 and store.asked[1] <= covered * per_request
+    finally:
+        side.shutdown()
+        store.close()
+
+
 def _idle_step():
     """A step that schedules nothing (the one after the last request finished)."""
     return SimpleNamespace(
@@ -422,9 +516,10 @@ def test_a_thousand_finished_requests_leave_no_state():
             _prefill_then_finish_with_tail(side, f"r{i}", blocks=2)
             _report(side, side.build_connector_meta(_idle_step()).saves, ok=1)
         assert len(side.engine._requests) == 0
-        per_request = ("_requests", "_waiting", "_found", "_looked_up_at", "_local", "_step_hits", "_admitted",
+        per_request = ("_requests", "_waiting", "_local", "_admitted",
                        "_stamps", "_worths", "_finished_tails", "_load_hits", "_pending_loads", "_loading", "_jobs")
         assert {name: len(getattr(side, name)) for name in per_request if len(getattr(side, name))} == {}
+        assert side.lookups.states() == 0
     finally:
         side.shutdown()
 

@@ -411,23 +411,25 @@ class OffloadEngine:
     # ---- scheduler side ------------------------------------------------------------------
 
     def lookup(self, requests: Sequence[Tuple[str, Sequence[bytes], int]],
-               present: Optional[Dict[str, set]] = None) -> Dict[str, int]:
+               bitmaps: Optional[Dict[str, List[bool]]] = None) -> Dict[str, int]:
         """Longest joint hit per request, from one existence call for the whole batch. After
-        ``shutdown`` every request misses and the store is not called. ``present``, if given,
-        gets each request's keys the store holds (a save need not put them again)."""
+        ``shutdown`` every request misses and the store is not called. ``bitmaps``, if given,
+        gets each request's existence bitmap over ``planner.lookup_keys`` when the store
+        answered (none for a request whose answer timed out or failed: its misses are not the
+        store's word)."""
         with self._lock:
             if self._closed:
                 self.count("lookups_refused", len(requests))
                 return {req_id: 0 for req_id, _, _ in requests}
             self._lookups_in_flight += 1
         try:
-            return self._lookup(requests, present)
+            return self._lookup(requests, bitmaps)
         finally:
             with self._lock:
                 self._lookups_in_flight -= 1
                 self._idle.notify_all()
 
-    def _lookup(self, requests, present_out: Optional[Dict[str, set]]) -> Dict[str, int]:
+    def _lookup(self, requests, bitmaps_out: Optional[Dict[str, List[bool]]]) -> Dict[str, int]:
         start = time.perf_counter()
         per_request = []
         unique: Dict[str, int] = {}
@@ -442,15 +444,19 @@ class OffloadEngine:
             for key in keys or ():
                 unique.setdefault(key, len(unique))
         present = [False] * len(unique)
+        answered = True
         if unique:
             try:
-                present = [bool(p) for p in self._exists_in_time(list(unique))]
-                if len(present) != len(unique):
-                    raise RuntimeError(f"exists answered {len(present)} of {len(unique)} keys")
+                answer = self._exists_in_time(list(unique))
+                answered = answer is not None
+                if answered:
+                    present = [bool(p) for p in answer]
+                    if len(present) != len(unique):
+                        raise RuntimeError(f"exists answered {len(present)} of {len(unique)} keys")
             except Exception as err:  # the store's own failures are statuses; this is a bug
                 self._log_once("lookup", "lookup failed, treating every request as a miss: %r", err)
                 self.count("lookup_errors")
-                present = [False] * len(unique)
+                present, answered = [False] * len(unique), False
         hits = {}
         for req_id, hashes, num_tokens, keys in per_request:
             if keys is None:
@@ -458,8 +464,8 @@ class OffloadEngine:
                 continue
             bitmap = [present[unique[k]] for k in keys]
             hits[req_id] = self.planner.longest_hit_bitmap(hashes, num_tokens, bitmap)
-            if present_out is not None:
-                present_out[req_id] = {k for k, p in zip(keys, bitmap) if p}
+            if bitmaps_out is not None and answered:
+                bitmaps_out[req_id] = bitmap
         with self._lock:
             self.counters["lookups"] += len(per_request)
             self.counters["lookup_hit_tokens"] += sum(hits.values())
@@ -468,16 +474,16 @@ class OffloadEngine:
         self._time("lookup", time.perf_counter() - start)
         return hits
 
-    def _exists_in_time(self, keys: List[str]) -> list:
-        """The store's existence answer for ``keys``, or all misses when it does not answer
-        within ``lookup_timeout_s`` or still has not answered an earlier call (counted in
+    def _exists_in_time(self, keys: List[str]) -> Optional[list]:
+        """The store's existence answer for ``keys``, or None when it does not answer within
+        ``lookup_timeout_s`` or still has not answered an earlier call (counted in
         ``lookup_timeouts``). A store whose index is here (``knows_contents``) answers at once."""
         if getattr(self.store, "knows_contents", False):
             return self.store.exists(keys)
         with self._lock:
             if self._asked is not None and not self._asked.done():
                 self.count("lookup_timeouts")
-                return [False] * len(keys)
+                return None
             if self._asking is None:
                 self._asking = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"{self.name}-lookup")
             self._asked = asked = self._asking.submit(self.store.exists, keys)
@@ -487,7 +493,7 @@ class OffloadEngine:
             self.count("lookup_timeouts")
             self._log_once("lookup-timeout", "the store did not answer a lookup within lookup_timeout_s=%gs: "
                            "requests miss until it answers", self.lookup_timeout_s)
-            return [False] * len(keys)
+            return None
 
     # ---- worker side ---------------------------------------------------------------------
 

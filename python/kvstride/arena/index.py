@@ -58,6 +58,7 @@ class SlotIndex:
         self._doomed: set = set()  # dropped slots still pinned: freed when the last load ends
         self.order = PrefixOrder()  # the ready keys' eviction order
         self.evictions = 0
+        self.version = 0  # moves whenever the ready keys change: a lookup's answer stands until then
 
     def __len__(self) -> int:
         return len(self._ready)
@@ -133,6 +134,7 @@ class SlotIndex:
             if key is None or self._ready.get(key) != s:
                 continue
             del self._ready[key]
+            self.version += 1
             self.order.forget(key)
             del self._key_of[s]
             if s in self._pins:
@@ -163,6 +165,7 @@ class SlotIndex:
         slot = ready.pop(key)
         del self._key_of[slot]
         self.evictions += 1
+        self.version += 1
         return slot
 
     def confirm(self, keys: Sequence[str]) -> None:
@@ -174,6 +177,7 @@ class SlotIndex:
             if slot is None:
                 continue
             self._ready[key] = slot
+            self.version += 1
             rank = self._pending_ranks.pop(key, None)
             if rank is None:
                 stamp = self.stamp() if stamp is None else stamp
@@ -195,6 +199,7 @@ class SlotIndex:
         if self._pins or self._writing:
             return False
         self._free.extend(self._ready.values())
+        self.version += 1
         self._ready.clear()
         self.order.clear()
         self._key_of.clear()
@@ -218,6 +223,11 @@ class ArenaPlacement:
 
     knows_contents = True
     ranks_evictions = True
+
+    @property
+    def version(self) -> int:
+        """Moves whenever a key becomes readable or stops being so."""
+        return self.index.version
 
     def stamp(self) -> int:
         return self.index.stamp()

@@ -9,6 +9,8 @@ A placement turns the keys the core planned into the entries workers execute, pe
                                          which then answers without a round trip
     known(keys) -> list[bool]            (only then) a save need not write them (stored, or
                                          being written)
+    version                              (only then) moves whenever exists() could answer
+                                         otherwise: a lookup's answer stands until it moves
     ranks_evictions                      True where the placement evicts (the arena's SlotIndex):
                                          it takes an eviction order, and then has
     stamp() -> int                       a recency stamp newer than every one before

@@ -14,13 +14,13 @@ hand-offs (``kv_connector_block_state.boundary_state_offloads`` each step, and
 from __future__ import annotations
 
 import logging
-from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Tuple
 
 from kvstride.capacity import Ghost, prefill_per_byte
 from kvstride.engine import LoadRequest, OffloadEngine, SaveRequest
 from kvstride.vllm.config import ConnectorConfig
+from kvstride.vllm.lookups import Lookups
 from kvstride.vllm.metadata import KVStrideMetadata, KVStrideWorkerMetadata
 from kvstride.vllm.stats import Outcomes
 
@@ -36,10 +36,6 @@ ABANDON_AFTER_STEPS = 64
 #: Prefix boundaries remembered for junctions (SEMANTICS §8), least recently seen forgotten
 #: first: about 20 MiB of 32-byte hashes in Python objects.
 JUNCTION_MEMORY = 1 << 17
-
-#: Keys this engine's save jobs wrote, remembered (the oldest forgotten first) so that a request
-#: whose lookup came before they were written does not put them again: about 20 MiB.
-WRITTEN_MEMORY = 1 << 17
 
 
 def _nothing_known(keys) -> List[bool]:
@@ -82,8 +78,8 @@ class SchedulerSide(Outcomes):
         self._next_job = 0
         self._step = 0  # scheduler steps (build_connector_meta calls)
         self._requests: Dict[str, Any] = {}  # req id -> vLLM's Request, while it runs
-        self._waiting: Dict[str, Any] = {}  # requests not allocated yet: each lookup covers them all
-        self._step_hits: Dict[str, int] = {}  # this step's lookups (the store does not change within a step)
+        self._waiting: Dict[str, Any] = {}  # requests not allocated yet, in arrival order
+        self.lookups = Lookups(self.engine, self.planner, placement, config.lookup_batch)
         self._local: Dict[str, int] = {}
         self._pending_loads: Dict[str, LoadRequest] = {}
         self._loading: set = set()  # req ids whose asynchronous load is in flight
@@ -100,13 +96,6 @@ class SchedulerSide(Outcomes):
         self._stamps: Dict[str, int] = {}  # req id -> its recency in the placement's eviction order
         self._worths: Dict[str, float] = {}  # req id -> its worth there (prefill saved per slot)
         self._slot_values = [1] * len(self.planner.hashes_per_block)  # a value fills one slot
-        self._lookup_batch = config.lookup_batch
-        # What a save need not put, for a store the scheduler cannot see into without a round
-        # trip each step (Mooncake): the keys each request's lookup found, and those this engine
-        # wrote since the request's lookup.
-        self._found: Dict[str, set] = {}  # req id -> its keys the store held at its lookup
-        self._looked_up_at: Dict[str, int] = {}  # req id -> the step of its lookup (or arrival)
-        self._written: "OrderedDict[str, int]" = OrderedDict()  # key -> the step its job was reported
 
     def shutdown(self) -> None:
         self._shut_engine()
@@ -122,9 +111,7 @@ class SchedulerSide(Outcomes):
             rid = request.request_id
             if self.engine is None or rid in self._recompute:
                 return 0, False
-            hit = self._step_hits.get(rid)
-            if hit is None:
-                hit = self._look_up(request)
+            hit = self.lookups.hit(request, self._waiting, self._recompute.__contains__)
             ext = max(0, int(hit) - int(num_computed_tokens))
             if ext:
                 self._local[rid] = int(num_computed_tokens)
@@ -136,29 +123,11 @@ class SchedulerSide(Outcomes):
             log.warning("kvstride lookup failed, treating as a miss: %r", err)
             return 0, False
 
-    def _look_up(self, request) -> int:
-        """The request's hit, from one existence call that also covers the next requests
-        waiting to be allocated, in arrival order, as many as one scheduling pass can admit
-        (``max_num_seqs``): vLLM asks one request at a time within a pass, and the pass asks
-        the store once. (Every waiting request, every step, would make a long queue cost each
-        step a store call the size of the queue.)"""
-        batch = {request.request_id: request}
-        for rid, r in self._waiting.items():
-            if len(batch) >= self._lookup_batch:
-                break
-            if rid not in self._recompute and rid not in self._step_hits:
-                batch[rid] = r
-        # The core keeps the last token for vLLM to compute (SEMANTICS §6).
-        found = None if self.placement.knows_contents else self._found
-        hits = self.engine.lookup([(rid, list(r.block_hashes), int(r.num_tokens)) for rid, r in batch.items()], found)
-        self._step_hits.update(hits)
-        self._looked_up_at.update((rid, self._step) for rid in batch)
-        return hits[request.request_id]
-
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
         try:
             rid = request.request_id
             self._waiting.pop(rid, None)
+            self.lookups.allocated(rid)
             local = self._local.pop(rid, 0)
             if num_external_tokens <= 0:
                 return
@@ -189,14 +158,13 @@ class SchedulerSide(Outcomes):
     def on_new_request(self, request) -> None:
         self._requests[request.request_id] = request
         self._waiting[request.request_id] = request
-        self._looked_up_at[request.request_id] = self._step
 
     def build_connector_meta(self, scheduler_output) -> KVStrideMetadata:
         """The step's plans: every load and save of both stores is planned here, from the
         hashes and block tables vLLM's scheduler holds; the workers only copy and call the
         store with what the metadata names (O(blocks that move), never a hash or a table)."""
         self._step += 1
-        self._step_hits.clear()  # the next scheduling pass asks the store again
+        self.lookups.step = self._step
         self._abandon_stale_jobs()
         meta = KVStrideMetadata(failed_loads=sorted(self._failed_allocs))
         loads = list(self._pending_loads.values())
@@ -328,32 +296,12 @@ class SchedulerSide(Outcomes):
             known = {key for key, p in zip(keys, self.placement.known(keys)) if p} if keys else set()
         else:
             # A lookup asks every rank's keys (SEMANTICS §6), so each rank's are found or not.
-            known = {key for entries in per_rank for key, _, _ in entries if self._is_known(key, owners[key])}
+            is_known = self.lookups.is_known
+            known = {key for entries in per_rank for key, _, _ in entries if is_known(key, owners[key], self._requests)}
         if not known:
             return per_rank
         self.engine.count("put_skipped_present", sum(key in known for entries in per_rank for key, _, _ in entries))
         return [[entry for entry in entries if entry[0] not in known] for entries in per_rank]
-
-    def _is_known(self, key: str, rids: List[str]) -> bool:
-        written = self._written.get(key)
-        for rid in rids:
-            if key in self._found.get(rid, ()):
-                return True
-            # Reports come after the step's schedule (and its lookups): a later step's report
-            # is a write the lookup could not see.
-            if written is not None and written > self._looked_up_at.get(rid, 0):
-                return True
-        return False
-
-    def _remember_written(self, keys: List[str]) -> None:
-        """A save job every rank wrote: its keys, for ``_without_known`` (a shared store)."""
-        if self.placement.knows_contents:
-            return
-        for key in keys:
-            self._written[key] = self._step
-            self._written.move_to_end(key)
-        while len(self._written) > WRITTEN_MEMORY:
-            self._written.popitem(last=False)
 
     def _abandon_stale_jobs(self) -> None:
         """Save jobs not every rank reported within ``ABANDON_AFTER_STEPS`` steps (a report
@@ -384,7 +332,7 @@ class SchedulerSide(Outcomes):
                 job.failed.update(rid for key in job.keys for rid in job.owners[key])
             self.placement.saves_done(job.keys, ok=not job.bad)
             if not job.bad and not job.deferred:
-                self._remember_written(job.keys)
+                self.lookups.remember_written(job.keys)
             self._finish_job(job)
 
     def _finish_job(self, job: "_SaveJob") -> None:
@@ -530,7 +478,6 @@ class SchedulerSide(Outcomes):
         self._local.pop(rid, None)
         self._requests.pop(rid, None)
         self._waiting.pop(rid, None)
-        self._step_hits.pop(rid, None)
         self._recompute.discard(rid)
         self._admitted.pop(rid, None)
         # A tail to save takes the request's rank and saved offset (it plans from there, not
@@ -539,8 +486,7 @@ class SchedulerSide(Outcomes):
             self._stamps.pop(rid, None)
             self._worths.pop(rid, None)
             self.engine.finish_request(rid)
-        self._found.pop(rid, None)
-        self._looked_up_at.pop(rid, None)
+        self.lookups.forget(rid)
         if self._pending_loads.pop(rid, None) is not None:  # never sent: nothing writes them
             self._loading.discard(rid)
         return rid in self._loading, None
