@@ -183,9 +183,50 @@ def test_uniform_type_specs_stand_for_their_layers(llama_dir):
     assert (spec.kind, spec.block_size, spec.window) == ("sliding_window", 32, 64)
     assert arena_slot_bytes(config) == small.page_size_bytes + large.page_size_bytes
     assert len(keys(vllm_config(llama_dir), kv=config)) == 4
-    # At TP=4 the model's 2 heads of layer "a" are shared by two ranks each, layer "b"'s are not.
+    # At TP=4 layer "a" holds one head per rank and "b" four: whether "a"'s heads are split or
+    # replicated, the model config (2 heads, which "b" does not hold) cannot tell.
     with pytest.raises(ValueError, match="tensor_parallel_size=4"):
-        group_specs(config, vllm_config(llama_dir, tp=4))
+        group_specs(config, vllm_config(llama_dir, tp=4), shared=True)
+
+
+def _heads_config(llama_dir, tp: int, total: int, extra=None):
+    config = vllm_config(llama_dir, extra, tp=tp)
+    config.model_config.get_total_num_kv_heads = lambda: total
+    return config
+
+
+def test_head_counts_come_from_the_model_config_and_each_groups_spec(llama_dir):
+    """One KV head per rank is ``tp`` heads split, or fewer replicated: the model config tells,
+    when every layer holds the share its count gives. A group of one head per rank next to a
+    group of more (a model whose layers' head counts differ) cannot be told apart: before, it
+    was keyed with the model config's count, replicated over ranks that may hold different
+    heads; now it is refused on a shared store (the arena keys as one rank and needs no count)."""
+    def spec(per_rank, window=None):
+        if window:
+            return SlidingWindowSpec(block_size=32, num_kv_heads=per_rank, head_size=32, dtype=torch.bfloat16,
+                                     sliding_window=window)
+        return FullAttentionSpec(block_size=32, num_kv_heads=per_rank, head_size=32, dtype=torch.bfloat16)
+
+    def two_groups(full, window):
+        return KVCacheConfig(num_blocks=64, kv_cache_tensors=[], kv_cache_groups=[
+            KVCacheGroupSpec(["model.layers.0.self_attn.attn"], spec(full)),
+            KVCacheGroupSpec(["model.layers.1.self_attn.attn"], spec(window, 64)),
+        ])
+
+    # The model's 2 heads: one per rank at TP=2 (split), two ranks each at TP=4 (replicated).
+    assert [g.num_kv_heads for g in group_specs(two_groups(1, 1), _heads_config(llama_dir, 2, 2), shared=True)] == [2, 2]
+    assert [g.num_kv_heads for g in group_specs(two_groups(1, 1), _heads_config(llama_dir, 4, 2), shared=True)] == [2, 2]
+    # More than one head per rank is split, whatever the model config says.
+    assert [g.num_kv_heads for g in group_specs(two_groups(4, 4), _heads_config(llama_dir, 2, 2), shared=True)] == [8, 8]
+    # The model config says 2 heads; the window layers hold 4 per rank at TP=4 (16 heads): the
+    # full-attention group's one head per rank may be 1, 2 or 4 heads.
+    mixed = two_groups(1, 4)
+    with pytest.raises(ValueError, match="group 0 holds one KV head per rank at tensor_parallel_size=4"):
+        group_specs(mixed, _heads_config(llama_dir, 4, 2), shared=True)
+    with pytest.raises(ValueError, match="store 'embedded'"):
+        resolve_config(_heads_config(llama_dir, 4, 2), mixed, worker=False)
+    assert [g.num_kv_heads for g in group_specs(mixed, _heads_config(llama_dir, 4, 2))] == [None, 16]
+    resolve_config(_heads_config(llama_dir, 4, 2, {"store": "embedded"}), mixed, worker=False)
 
 
 def test_the_embedded_store_reads_no_checkpoint(llama_dir, monkeypatch):

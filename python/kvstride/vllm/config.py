@@ -58,14 +58,17 @@ def check_known_keys(extra: dict) -> None:
             )
 
 
-def group_specs(kv_cache_config, vllm_config) -> List[kvstride.GroupSpec]:
-    """One :class:`kvstride.GroupSpec` per vLLM KV-cache group, in group order."""
+def group_specs(kv_cache_config, vllm_config, shared: bool = False) -> List[kvstride.GroupSpec]:
+    """One :class:`kvstride.GroupSpec` per vLLM KV-cache group, in group order (``shared``: for a
+    store other engines and ranks share, where head counts must be known)."""
     from vllm.v1 import kv_cache_interface as kci
 
     mamba_mode = getattr(vllm_config.cache_config, "mamba_cache_mode", "none") or "none"
+    tp = max(1, int(getattr(vllm_config.parallel_config, "tensor_parallel_size", 1) or 1))
+    model_heads = _model_heads(vllm_config, kv_cache_config)
     out = []
     for g, group in enumerate(kv_cache_config.kv_cache_groups):
-        spec, heads = _group_spec_and_heads(g, group.kv_cache_spec, vllm_config)
+        spec, heads = _group_spec_and_heads(g, group.kv_cache_spec, tp, model_heads, shared)
         bs = int(spec.block_size)
         if isinstance(spec, kci.CircularBufferSpec):
             out.append(kvstride.GroupSpec("circular_buffer", bs))
@@ -87,16 +90,28 @@ def group_specs(kv_cache_config, vllm_config) -> List[kvstride.GroupSpec]:
     return out
 
 
-def _group_spec_and_heads(g: int, spec, vllm_config):
+def _group_spec_and_heads(g: int, spec, tp: int, model_heads: Optional[int], shared: bool):
     """A group's spec and its model's KV heads; a ``UniformTypeKVCacheSpecs`` (layers of one
     attention type whose pages differ, e.g. in head count) stands for its layers' type, with
     the fewest heads of them: keys are replicated over TP ranks that share a head, and that
-    holds for all of its layers only while no layer has fewer heads than ranks."""
+    holds for all of its layers only while no layer has fewer heads than ranks. Heads that
+    cannot be told are refused on a shared store (ranks holding different heads could share
+    keys there); elsewhere every rank keys its own (None)."""
     members = getattr(spec, "kv_cache_specs", None)
     if not isinstance(members, dict) or not members:
-        return spec, _total_kv_heads(spec, vllm_config)
-    heads = {_total_kv_heads(member, vllm_config) for member in members.values()}
-    tp = max(1, int(getattr(vllm_config.parallel_config, "tensor_parallel_size", 1) or 1))
+        members = {"": spec}
+    try:
+        heads = {_total_kv_heads(member, tp, model_heads) for member in members.values()}
+    except _AmbiguousHeads:
+        if not shared:
+            return next(iter(members.values())), None
+        raise ValueError(
+            f"KV-cache group {g} holds one KV head per rank at tensor_parallel_size={tp}, and the model config "
+            "does not tell whether its heads are split over the ranks or replicated (the model's layers hold "
+            "different head counts, or it names none): on a shared store ranks holding different heads could "
+            "share keys; use store 'embedded', or a tensor_parallel_size that gives every attention layer more "
+            "than one KV head per rank"
+        ) from None
     known = sorted(h for h in heads if h is not None)
     if len(heads) > 1 and tp > 1 and (None in heads or known[0] < tp):
         raise ValueError(
@@ -107,21 +122,49 @@ def _group_spec_and_heads(g: int, spec, vllm_config):
     return next(iter(members.values())), (known[0] if known else None)
 
 
-def _total_kv_heads(spec, vllm_config) -> Optional[int]:
-    """The model's KV heads of a group (SEMANTICS §3 replicates keys over ``tp_size //
-    heads``). vLLM's spec holds one rank's share, ``max(1, total // tp)``: with fewer heads
-    than ranks that is 1 on every rank, so the total comes from the model config."""
-    per_rank = getattr(spec, "num_kv_heads", None)
-    if per_rank is None:
-        return None
+class _AmbiguousHeads(Exception):
+    """A group's KV heads over the TP ranks cannot be told from vLLM's spec and the model config."""
+
+
+def _model_heads(vllm_config, kv_cache_config) -> Optional[int]:
+    """The model config's KV heads, when every attention layer's spec agrees with it (each holds
+    ``max(1, heads // tp)`` per rank); None when the model config has none, or a layer holds
+    another share (its layers' counts differ: the model config speaks for none of them)."""
+    from vllm.v1 import kv_cache_interface as kci
+
     tp = max(1, int(getattr(vllm_config.parallel_config, "tensor_parallel_size", 1) or 1))
     try:
         total = int(vllm_config.model_config.get_total_num_kv_heads())
     except Exception:
-        total = None
-    if total is not None and max(1, total // tp) == int(per_rank):
-        return total
-    return int(per_rank) * tp  # a group whose heads differ from the model's: its own share
+        return None
+    if total < 1:
+        return None
+    for group in kv_cache_config.kv_cache_groups:
+        members = getattr(group.kv_cache_spec, "kv_cache_specs", None) or {"": group.kv_cache_spec}
+        for spec in members.values():
+            if isinstance(spec, kci.MLAAttentionSpec):  # one latent per rank: keyed replicated whatever the heads
+                continue
+            per_rank = getattr(spec, "num_kv_heads", None)
+            if per_rank is not None and int(per_rank) != max(1, total // tp):
+                return None
+    return total
+
+
+def _total_kv_heads(spec, tp: int, model_heads: Optional[int]) -> Optional[int]:
+    """A group's KV heads over every TP rank (SEMANTICS §3 replicates keys over ``tp_size //
+    heads``). vLLM's spec holds one rank's share, ``max(1, total // tp)``: with more than one
+    head per rank the heads are split (the share times the ranks); with one, ``tp`` heads are
+    split or fewer are replicated, which only the model config tells (``_model_heads``: when
+    every layer agrees with it). Otherwise ``_AmbiguousHeads``."""
+    per_rank = getattr(spec, "num_kv_heads", None)
+    if per_rank is None:
+        return None
+    per_rank = int(per_rank)
+    if tp == 1 or per_rank > 1:
+        return per_rank * tp
+    if model_heads is None:
+        raise _AmbiguousHeads()
+    return model_heads
 
 
 def _refuse_unsupported_parallelism(parallel_config) -> None:
@@ -244,7 +287,7 @@ def resolve_config(vllm_config, kv_cache_config, worker: bool) -> ConnectorConfi
     # A missing, unreadable, group/other-readable or weak file is a ValueError naming it.
     secret_file = extra.get("secret_file")
     secret = load_secret(secret_file) if secret_file else None
-    groups = group_specs(kv_cache_config, vllm_config)
+    groups = group_specs(kv_cache_config, vllm_config, shared=str(extra.get("store", "embedded")) == "mooncake")
     vllm_h = getattr(kv_cache_config, "hash_block_size", None)
     # vLLM's hash block (its prefix_match_unit when one is set) is the unit kvstride keys by.
     S, H = kvstride.resolve_block_sizes(groups, prefix_match_unit=None if vllm_h is None else int(vllm_h))
