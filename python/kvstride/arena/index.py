@@ -4,6 +4,7 @@ wrote them (:mod:`kvstride.arena` says how the two sides fit). No bytes live her
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from kvstride.capacity import PrefixOrder
@@ -13,6 +14,10 @@ __all__ = ["SlotIndex", "ArenaPlacement", "slots_for", "ALIGN"]
 
 #: Slot size granularity (bytes): every slot starts on a cache line.
 ALIGN = 64
+
+#: Scheduler steps after which a write-through job not every rank reported is given up (its
+#: records freed, its slots released): a report lost to a worker's error.
+ABANDON_DISK_AFTER_STEPS = 256
 
 
 def slots_for(capacity_bytes: int, slot_bytes: int) -> int:
@@ -135,6 +140,7 @@ class SlotIndex:
                 continue
             del self._ready[key]
             self.version += 1
+            self._dropped(key)
             self.order.forget(key)
             del self._key_of[s]
             if s in self._pins:
@@ -166,12 +172,14 @@ class SlotIndex:
         del self._key_of[slot]
         self.evictions += 1
         self.version += 1
+        self._dropped(key)
         return slot
 
     def confirm(self, keys: Sequence[str]) -> None:
         """Every rank wrote these keys: they become readable, ranked as ``reserve`` was told
         (else used now, in call order)."""
         stamp = None
+        readied = []
         for key in keys:
             slot = self._writing.pop(key, None)
             if slot is None:
@@ -183,6 +191,33 @@ class SlotIndex:
                 stamp = self.stamp() if stamp is None else stamp
                 rank = (stamp, 0)
             self.order.rank(key, *rank)
+            readied.append(key)
+        self._readied(readied)
+
+    # What a subclass keeps of the readable keys (the disk tier's persisted index): keys that
+    # became readable, and a key that stopped being so.
+    def _readied(self, keys: Sequence[str]) -> None:
+        pass
+
+    def _dropped(self, key: str) -> None:
+        pass
+
+    def hold(self, keys: Sequence[str]) -> Optional[List[int]]:
+        """Pin the slots of ready ``keys`` (None, nothing pinned, if one is not ready) without
+        using them (their rank stays): a copy out of them is in flight."""
+        ready = self._ready
+        if not all(k in ready for k in keys):
+            return None
+        slots = [ready[k] for k in keys]
+        for s in slots:
+            self._pins[s] = self._pins.get(s, 0) + 1
+        return slots
+
+    def ready_key(self, key: str) -> bool:
+        return key in self._ready
+
+    def writing(self, key: str) -> bool:
+        return key in self._writing
 
     def abandon(self, keys: Sequence[str]) -> None:
         """A rank failed to write these keys: their slots are free again."""
@@ -200,34 +235,66 @@ class SlotIndex:
             return False
         self._free.extend(self._ready.values())
         self.version += 1
+        for key in self._ready:
+            self._dropped(key)
         self._ready.clear()
         self.order.clear()
         self._key_of.clear()
         return True
 
 
+@dataclass
+class _DiskJob:
+    """Keys being copied from arena slots (held) to disk records (being written)."""
+
+    keys: List[str]
+    slots: List[int]
+    step: int
+    ok: int = 0
+    bad: int = 0
+
+
 class ArenaPlacement:
     """The embedded store's placement (:mod:`kvstride.stores.placement`): the scheduler's
     :class:`SlotIndex` gives each new key a slot and pins the slots of each load, and every
-    rank copies the same slots (the arena keys as one rank: its keys never leave this index)."""
+    rank copies the same slots (the arena keys as one rank: its keys never leave this index).
 
-    def __init__(self, num_slots: int) -> None:
+    With a disk tier (``disk``, a :class:`kvstride.arena.disk_index.DiskIndex`) every value
+    that becomes readable in memory is written through to a disk record (its slot held until
+    every rank wrote it), a lookup sees both tiers, and a load of a key only on disk reads its
+    record into a newly reserved slot first (``disk_reads``): the key is then in memory again."""
+
+    def __init__(self, num_slots: int, disk=None, world_size: int = 1) -> None:
         self.index = SlotIndex(num_slots)
+        self.disk = disk
+        self.world_size = int(world_size)
         self._load_pins: Dict[str, List[int]] = {}  # req id -> slots pinned for its load
+        # req id -> (keys read from disk into reserved slots, their records pinned, the reads)
+        self._disk_loads: Dict[str, Tuple[List[str], List[int], list]] = {}
+        self._disk_queue: List[Tuple[int, int, str]] = []  # (slot, record, key) to write, slot held
+        self._disk_jobs: Dict[int, _DiskJob] = {}
+        self._next_disk_job = 0
+        self._step = 0
 
     def exists(self, keys: Sequence[str]) -> List[bool]:
-        return self.index.exists(keys)
+        present = self.index.exists(keys)
+        if self.disk is None:
+            return present
+        return [p or self.disk.ready_key(k) for p, k in zip(present, keys)]
 
     def known(self, keys: Sequence[str]) -> List[bool]:
-        return self.index.known(keys)
+        known = self.index.known(keys)
+        if self.disk is None:
+            return known
+        return [p or self.disk.ready_key(k) for p, k in zip(known, keys)]
 
     knows_contents = True
     ranks_evictions = True
 
     @property
     def version(self) -> int:
-        """Moves whenever a key becomes readable or stops being so."""
-        return self.index.version
+        """Moves whenever a key becomes readable or stops being so (in either tier)."""
+        return self.index.version + (0 if self.disk is None else self.disk.version)
 
     def stamp(self) -> int:
         return self.index.stamp()
@@ -244,25 +311,145 @@ class ArenaPlacement:
         return {EVERY_RANK: placed}, keys, refused
 
     def saves_done(self, keys: Sequence[str], ok: bool) -> None:
-        """Written on every rank: readable; else the slots are free again."""
-        if ok:
-            self.index.confirm(keys)
-        else:
+        """Written on every rank: readable (and written through to disk); else the slots are
+        free again."""
+        if not ok:
             self.index.abandon(keys)
+            return
+        ranks = {key: self.index._pending_ranks.get(key) for key in keys}
+        self.index.confirm(keys)
+        if self.disk is not None:
+            self._write_through([key for key in keys if self.index.ready_key(key)], ranks)
+
+    def _write_through(self, keys: List[str], ranks: Dict[str, Optional[tuple]]) -> None:
+        disk = self.disk
+        keys = [key for key in keys if not disk.ready_key(key) and not disk.writing(key)]
+        if not keys:
+            return
+        stamp = disk.stamp()
+        ranked = {key: (stamp, rank[1], rank[2]) for key, rank in ranks.items() if rank is not None and len(rank) == 3}
+        records = disk.reserve(keys, {key: ranked.get(key, (stamp, 0, 1.0)) for key in keys})
+        for key, record in zip(keys, records):
+            if record is None:  # every record pinned or being written: this one stays in memory only
+                continue
+            (slot,) = self.index.hold([key])
+            self._disk_queue.append((slot, record, key))
+
+    def take_disk_writes(self) -> Dict[int, List[Tuple[int, int, str]]]:
+        """This step's write-through jobs: job id -> (slot, record, key) for every rank; and
+        jobs not every rank reported within ``ABANDON_DISK_AFTER_STEPS`` are given up."""
+        self._step += 1
+        oldest = self._step - ABANDON_DISK_AFTER_STEPS
+        for job_id in [j for j, job in self._disk_jobs.items() if job.step < oldest]:
+            self._end_disk_job(self._disk_jobs.pop(job_id), ok=False)
+        if not self._disk_queue:
+            return {}
+        entries, self._disk_queue = self._disk_queue, []
+        job_id = self._next_disk_job = self._next_disk_job + 1
+        self._disk_jobs[job_id] = _DiskJob([key for _, _, key in entries], [slot for slot, _, _ in entries], self._step)
+        return {job_id: entries}
+
+    def disk_written(self, reports: Dict[int, List[int]]) -> None:
+        """Per write-through job, ranks that wrote it and ranks that failed: once every rank
+        reported, its keys are readable on disk (or their records free again)."""
+        for job_id, (ok, bad) in reports.items():
+            job = self._disk_jobs.get(job_id)
+            if job is None:
+                continue
+            job.ok += ok
+            job.bad += bad
+            if job.ok + job.bad >= self.world_size:
+                del self._disk_jobs[job_id]
+                self._end_disk_job(job, ok=not job.bad)
+
+    def _end_disk_job(self, job: _DiskJob, ok: bool) -> None:
+        if ok:
+            self.disk.confirm(job.keys)
+        else:
+            self.disk.abandon(job.keys)
+        self.index.unpin(job.slots)
 
     def place_load(self, req_id: str, per_rank, stamp: Optional[int] = None, worth: float = 1.0):
         (gets,) = per_rank
-        slots = self.index.pin([key for key, _, _ in gets], stamp, worth)
-        if slots is None:  # evicted or dropped since the lookup
+        keys = [key for key, _, _ in gets]
+        in_memory = self.index.exists(keys)
+        if all(in_memory):
+            slots = self.index.pin(keys, stamp, worth)
+            if slots is None:  # evicted or dropped since the lookup
+                return None
+            self._load_pins[req_id] = slots
+            return {EVERY_RANK: [(slot, group, block) for slot, (_, group, block) in zip(slots, gets)]}
+        if self.disk is None:
             return None
-        self._load_pins[req_id] = slots
-        return {EVERY_RANK: [(slot, group, block) for slot, (_, group, block) in zip(slots, gets)]}
+        return self._place_disk_load(req_id, gets, in_memory, stamp, worth)
 
-    def load_done(self, req_id: str) -> None:
+    def _place_disk_load(self, req_id: str, gets, in_memory: List[bool], stamp, worth: float):
+        """A load some of whose keys are on disk only: the others' slots pinned, the disk
+        keys' records pinned and a slot reserved for each (their reads go first); None, with
+        nothing held, when a key is gone or its slot cannot be had."""
+        index, disk = self.index, self.disk
+        cached = [key for (key, _, _), here in zip(gets, in_memory) if here]
+        from_disk = [(key, group, depth) for depth, ((key, group, _), here) in enumerate(zip(gets, in_memory)) if not here]
+        disk_keys = [key for key, _, _ in from_disk]
+        if len(set(disk_keys)) < len(disk_keys) or any(index.writing(key) for key in disk_keys):
+            return None  # read by another load (or saved) right now
+        slots = index.pin(cached, stamp, worth)
+        if slots is None:
+            return None
+        records = disk.hold(disk_keys)
+        if records is None:
+            index.unpin(slots)
+            return None
+        stamp = index.stamp() if stamp is None else stamp
+        reserved = index.reserve(disk_keys, {key: (stamp, depth, worth) for key, _, depth in from_disk})
+        if any(slot is None for slot in reserved):
+            index.abandon([key for key, slot in zip(disk_keys, reserved) if slot is not None])
+            index.unpin(slots)
+            disk.unpin(records)
+            return None
+        disk.touch(disk_keys, disk.stamp(), worth)
+        slot_of = dict(zip(cached, slots))
+        slot_of.update(zip(disk_keys, reserved))
+        reads = [(record, slot, key, group) for (key, group, _), record, slot in zip(from_disk, records, reserved)]
+        self._load_pins[req_id] = slots
+        self._disk_loads[req_id] = (disk_keys, records, reads)
+        return {EVERY_RANK: [(slot_of[key], group, block) for key, group, block in gets]}
+
+    def disk_reads(self, req_id: str) -> list:
+        """The ``(record, slot, key, group)`` reads the load of ``req_id`` starts with."""
+        held = self._disk_loads.get(req_id)
+        return [] if held is None else held[2]
+
+    def load_done(self, req_id: str, ok: bool = True) -> None:
+        """The workers reported the load: its pins go; keys it read from disk are readable in
+        memory when it succeeded (their slots free again when not)."""
         self.index.unpin(self._load_pins.pop(req_id, ()))
+        held = self._disk_loads.pop(req_id, None)
+        if held is not None:
+            keys, records, _ = held
+            (self.index.confirm if ok else self.index.abandon)(keys)
+            self.disk.unpin(records)
 
     def forget_corrupt(self, slots: Sequence[int]) -> None:
         self.index.drop_slots(slots)
 
+    def forget_disk_corrupt(self, records: Sequence[int]) -> None:
+        """Records a worker found torn, stale or foreign: forgotten (rewritten by later saves)."""
+        if self.disk is not None and records:
+            self.disk.drop_slots(records)
+
+    def flush(self) -> None:
+        """The step's changes to the disk tier's persisted index."""
+        if self.disk is not None:
+            self.disk.flush()
+
     def reset(self) -> bool:
-        return self.index.clear()
+        if self.disk is not None and (self._disk_jobs or self._disk_queue or self._disk_loads):
+            return False
+        if not self.index.clear():
+            return False
+        return self.disk is None or self.disk.clear()
+
+    def close(self) -> None:
+        if self.disk is not None:
+            self.disk.close()

@@ -19,6 +19,7 @@ import torch
 
 from kvstride import _core
 from kvstride.arena.device import DeviceCopier
+from kvstride.arena.disk import DISK_ALIGN, DiskLane, DiskRecords, DiskSpec
 from kvstride.arena.index import ALIGN
 from kvstride.copies import PieceTable
 from kvstride.layout import KVLayout
@@ -47,18 +48,23 @@ class HostArena:
         copier: Optional[str] = None,
         slot_bytes: Optional[int] = None,
         stored_groups=None,
+        align: int = ALIGN,
     ) -> None:
         if layout is None and slot_bytes is None:
             raise ValueError("HostArena needs a layout or slot_bytes")
         # The groups whose blocks are saved here (None: all): a scratch ring's need no room.
         self.stored_groups = None if stored_groups is None else tuple(int(g) for g in stored_groups)
         size = slot_bytes if slot_bytes is not None else self._largest_block(layout)
-        self.slot_bytes = -(-int(size) // ALIGN) * ALIGN
+        # ``align``: where each slot starts (a disk tier's direct I/O needs its block size).
+        self.slot_bytes = -(-int(size) // align) * align
         if self.slot_bytes <= 0:
             raise ValueError(f"slot_bytes must be positive, got {slot_bytes}")
         self.num_slots = int(num_slots)
         pin = layout is not None and layout.on_cuda
-        self.buffer = torch.empty(self.num_slots * self.slot_bytes, dtype=torch.uint8, pin_memory=pin)
+        nbytes = self.num_slots * self.slot_bytes
+        raw = torch.empty(nbytes + align - 1, dtype=torch.uint8, pin_memory=pin)
+        start = (-raw.data_ptr()) % align
+        self.buffer = raw[start : start + nbytes]
         self.buffer.zero_()
         self.ptr = self.buffer.data_ptr()
         self.digests = np.zeros(self.num_slots, dtype=np.uint64)
@@ -279,16 +285,22 @@ class ArenaSlots:
 
     takes_digests = False
 
-    def __init__(self, num_slots: int, copier: Optional[str] = None, stored_groups=None) -> None:
+    def __init__(self, num_slots: int, copier: Optional[str] = None, stored_groups=None,
+                 disk: Optional[DiskSpec] = None) -> None:
         self.num_slots = int(num_slots)
         self.copier = copier  # HostArena's; None: the KV tensors' device decides
         self.stored_groups = stored_groups  # HostArena's: the groups its slots must fit (None: all)
+        self.disk_spec = disk  # this rank's disk tier, opened with the layout
         self.arena: Optional[HostArena] = None  # once the engine binds the KV layout
+        self.disk: Optional[DiskLane] = None
         self._corrupt: List[int] = []
         self._lock = threading.Lock()  # the load lane adds, the step thread takes
 
     def bind_layout(self, layout: KVLayout) -> None:
-        self.arena = HostArena(layout, self.num_slots, copier=self.copier, stored_groups=self.stored_groups)
+        align = ALIGN if self.disk_spec is None else DISK_ALIGN
+        self.arena = HostArena(layout, self.num_slots, copier=self.copier, stored_groups=self.stored_groups, align=align)
+        if self.disk_spec is not None:
+            self.disk = DiskLane(DiskRecords(self.disk_spec, self.arena, layout.fingerprint()))
 
     def save_blocks(self, slots, groups, block_ids) -> List[Status]:
         started = self.save_blocks_begin(slots, groups, block_ids)
@@ -321,4 +333,8 @@ class ArenaSlots:
         return corrupt
 
     def close(self) -> None:
-        """The arena's memory goes with the last reference."""
+        """The disk tier finishes what it was given; the arena's memory goes with the last
+        reference."""
+        if self.disk is not None:
+            self.disk.shutdown()
+            self.disk = None

@@ -21,7 +21,7 @@ A placement turns the keys the core planned into the entries workers execute, pe
                                          eviction order
     saves_done(keys, ok)                 every rank reported a save job (ok: all wrote it)
     place_load(req_id, per_rank, stamp, worth) -> entries by rank, or None when the hit is gone
-    load_done(req_id)                    the workers reported the load
+    load_done(req_id, ok)                the workers reported the load (ok: every rank loaded it)
     forget_corrupt(items)                what a worker's load found corrupted
     reset() -> bool | None               ``reset_prefix_cache(reset_connector=True)``
 
@@ -76,7 +76,7 @@ class StorePlacement:
     def place_load(self, req_id: str, per_rank: List[List[Entry]], stamp=None, worth=1.0) -> Optional[Dict[int, List[Entry]]]:
         return dict(enumerate(per_rank))
 
-    def load_done(self, req_id: str) -> None:
+    def load_done(self, req_id: str, ok: bool = True) -> None:
         """Nothing pinned: a value evicted under a load is a failed get, recomputed."""
 
     def forget_corrupt(self, items) -> None:

@@ -39,7 +39,7 @@ ADMISSION_POLICIES = ("kvstride", "dense")
 #: Every ``kv_connector_extra_config`` key the connector reads (README lists them): any other
 #: is refused, so that a misspelled ``secret_file`` never runs a shared store unauthenticated.
 KNOWN_KEYS = frozenset({
-    "store", "store_bytes", "staging_bytes", "save_wait_s", "put_linger_s", "load_timeout_s", "lookup_timeout_s",
+    "store", "store_bytes", "disk_path", "disk_bytes", "staging_bytes", "save_wait_s", "put_linger_s", "load_timeout_s", "lookup_timeout_s",
     "admission",
     "store_name", "model_id", "model_identity", "allow_weak_hash", "cache_prefix", "secret_file", *OVERRIDE_KEYS,
 })
@@ -251,7 +251,7 @@ class ConnectorConfig:
     fingerprint: str  # _fingerprint: the same on both sides; the value header's, with the geometry
     planner: kvstride.KeyPlanner  # this side's: the worker's rank, rank 0 on the scheduler
     rank_planners: List[kvstride.KeyPlanner]  # the scheduler's, one per TP rank it plans for
-    tp_rank: int
+    tp_rank: int  # the rank this side keys as (0 on the arena, which keys as one rank)
     secret: Optional[bytes] = field(repr=False)  # never printed
     store: StoreChoice  # which store, and what its kind decides for the rest
     world_size: int
@@ -267,6 +267,7 @@ class ConnectorConfig:
     # model_identity(): the scheduler's, in every key it plans on a shared store; None on a
     # worker, which writes and reads only the keys the scheduler sends it
     model_identity: Optional[str] = None
+    worker_rank: int = 0  # this worker's TP rank (its disk tier's file), 0 on the scheduler
 
 
 def check_admission(value) -> str:
@@ -306,8 +307,9 @@ def resolve_config(vllm_config, kv_cache_config, worker: bool) -> ConnectorConfi
                          [g for g, per_block in enumerate(keyed) if per_block])
     if store.kind == "mooncake":
         check_strong_hash(vllm_config, extra)
-    # Only a store other engines share can meet other weights (the arena lives and dies with its engine).
-    shared = store.kind == "mooncake" or "model_identity" in extra
+    # Only a store other engines share, or a disk tier that outlives this engine, can meet
+    # other weights (the arena alone lives and dies with its engine).
+    shared = store.kind == "mooncake" or store.disk is not None or "model_identity" in extra
     identity = model_identity(vllm_config, extra) if shared and not worker else None
     key_fingerprint = fp if identity is None else kvstride.layout_fingerprint({"config": fp, "model": identity})
     tp_size = store.keyed_ranks
@@ -340,4 +342,5 @@ def resolve_config(vllm_config, kv_cache_config, worker: bool) -> ConnectorConfi
         admission=check_admission(extra.get("admission", "kvstride")),
         retention_interval=None if retention is None else int(retention), lookup_batch=max(1, int(max_num_seqs)),
         model_identity=identity,
+        worker_rank=_tp_rank(pc, max(1, int(getattr(pc, "tensor_parallel_size", 1) or 1))) if worker else 0,
     )

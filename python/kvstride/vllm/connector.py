@@ -64,6 +64,7 @@ class KVStrideConnector(KVConnectorBase_V1, SupportsHMA):
         config = resolve_config(vllm_config, kv_cache_config, worker=worker)
         self.fingerprint = config.fingerprint
         store, self._shared_client = open_side_store(config, vllm_config, worker)
+        self._own_store = store if self._shared_client is None else None  # the arena's side, closed here
         self.side: Union[SchedulerSide, WorkerSide]
         if worker:
             self.side = WorkerSide(config, store, vllm_config, kv_cache_config)
@@ -100,6 +101,9 @@ class KVStrideConnector(KVConnectorBase_V1, SupportsHMA):
         client, self._shared_client = self._shared_client, None
         if client is not None:
             release_shared_store(client)
+        own, self._own_store = self._own_store, None
+        if own is not None:  # the disk tier's files and index
+            own.close()
 
     # ---- scheduler side ------------------------------------------------------------------------
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Dict, List
+from typing import Dict, List, Tuple
 
 from kvstride.stores.placement import Entry
 
@@ -26,21 +26,34 @@ class KVStrideMetadata(KVConnectorMetadata):
     finished_tails: List[str] = field(default_factory=list)  # finished req ids saved this step
     loads: Dict[str, Dict[int, List[Entry]]] = field(default_factory=dict)  # req id -> TP rank -> gets
     saves: Dict[int, Dict[int, List[Entry]]] = field(default_factory=dict)  # save job id -> TP rank -> puts
+    # The embedded store's disk tier, every rank alike: write-through job id -> (slot, record,
+    # key); req id -> the (record, slot, key, group) its load reads into slots first.
+    disk_writes: Dict[int, List[Tuple[int, int, str]]] = field(default_factory=dict)
+    disk_reads: Dict[str, List[Tuple[int, int, str, int]]] = field(default_factory=dict)
 
 
 @dataclass
 class KVStrideWorkerMetadata(KVConnectorWorkerMetadata):
     """Worker -> scheduler: per save job, [ranks that wrote it, ranks that failed, ranks that
-    left some of it to a later step] (``JOB_REPORTS``); and what this rank's loads found
-    corrupted that the scheduler's placement must forget (the arena's slots)."""
+    left some of it to a later step] (``JOB_REPORTS``); what this rank's loads found
+    corrupted that the scheduler's placement must forget (the arena's slots); per disk
+    write-through job, [ranks that wrote it, ranks that failed]; and the disk records this
+    rank's reads rejected."""
 
     saves: Dict[int, List[int]] = field(default_factory=dict)
     corrupt: List = field(default_factory=list)
+    disk: Dict[int, List[int]] = field(default_factory=dict)
+    disk_corrupt: List[int] = field(default_factory=list)
 
     def aggregate(self, other: "KVStrideWorkerMetadata") -> "KVStrideWorkerMetadata":
-        merged = {job: list(counts) for job, counts in self.saves.items()}
-        for job, counts in other.saves.items():
-            into = merged.setdefault(job, [0, 0, 0])
-            for i, n in enumerate(counts):
-                into[i] += n
-        return KVStrideWorkerMetadata(merged, self.corrupt + other.corrupt)
+        return KVStrideWorkerMetadata(_summed(self.saves, other.saves, 3), self.corrupt + other.corrupt,
+                                      _summed(self.disk, other.disk, 2), self.disk_corrupt + other.disk_corrupt)
+
+
+def _summed(mine: Dict[int, List[int]], theirs: Dict[int, List[int]], width: int) -> Dict[int, List[int]]:
+    merged = {job: list(counts) for job, counts in mine.items()}
+    for job, counts in theirs.items():
+        into = merged.setdefault(job, [0] * width)
+        for i, n in enumerate(counts):
+            into[i] += n
+    return merged

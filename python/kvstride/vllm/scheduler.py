@@ -70,6 +70,7 @@ class SchedulerSide(Outcomes):
         self.rank_planners = config.rank_planners  # each TP rank's keys (one for the arena)
         self.world_size = config.world_size
         self.placement = placement  # kvstride.stores.placement: where keys go in the store
+        self._disk_tier = getattr(placement, "disk", None) is not None  # the embedded store's
         # Lookups and plans need only the planner and the placement: no KV tensors here.
         self.engine = OffloadEngine(self.planner, None, placement, name="kvstride-sched",
                                     lookup_timeout_s=config.lookup_timeout_s)
@@ -151,6 +152,9 @@ class SchedulerSide(Outcomes):
             if isinstance(meta, KVStrideWorkerMetadata):
                 self.placement.forget_corrupt(meta.corrupt)
                 self._saves_reported(meta.saves)
+                if meta.disk or meta.disk_corrupt:  # only the embedded store's disk tier reports these
+                    self.placement.disk_written(meta.disk)
+                    self.placement.forget_disk_corrupt(meta.disk_corrupt)
         except Exception as err:  # never into vLLM's scheduler; stale jobs are abandoned later
             self._log_once("connector-output", "kvstride update_connector_output failed: %r", err)
             self.count("scheduler_errors")
@@ -186,6 +190,9 @@ class SchedulerSide(Outcomes):
             self._stamps.pop(rid, None)
             self._worths.pop(rid, None)
             self.engine.finish_request(rid)
+        if self._disk_tier:
+            meta.disk_writes = self.placement.take_disk_writes()
+            self.placement.flush()
         return meta
 
     # ---- loads --------------------------------------------------------------------------------
@@ -216,6 +223,11 @@ class SchedulerSide(Outcomes):
                 return
             self._load_hits[rid] = load.hit_tokens
             meta.loads[rid] = placed
+            if self._disk_tier:
+                reads = self.placement.disk_reads(rid)
+                if reads:
+                    meta.disk_reads[rid] = reads
+                    self.engine.count("loads_from_disk")
         except Exception as err:
             log.warning("kvstride: load of %s could not be planned, it is recomputed: %r", rid, err)
             self._fail_load(rid, meta)
@@ -230,7 +242,7 @@ class SchedulerSide(Outcomes):
         failed = set(failed or ())
         for rid in done or ():
             self._loading.discard(rid)
-            self.placement.load_done(rid)
+            self.placement.load_done(rid, ok=rid not in failed)
             hit = self._load_hits.pop(rid, None)
             if hit is None or rid in failed or rid not in self._requests:
                 continue

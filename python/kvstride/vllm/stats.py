@@ -46,6 +46,9 @@ COUNTED = {
     "bytes_stored": "bytes_stored",
     "puts_skipped_present": "put_skipped_present",
     "saves_deferred": "saves_deferred",
+    "loads_from_disk": "loads_from_disk",
+    "disk_bytes_written": "disk_bytes_written",
+    "disk_bytes_read": "disk_bytes_read",
 }
 #: Stats name -> the engine operation whose total seconds it is the delta of (store calls).
 TIMED = {"load_seconds": "get", "save_seconds": "put"}
@@ -54,7 +57,8 @@ SUCCESSES = frozenset({"get_ok", "put_ok", "put_skipped_present"})
 #: ...and these engine counters.
 FAILURE_COUNTERS = frozenset(
     {"loads_failed", "loads_timed_out", "lookup_timeouts", "saves_failed", "load_job_errors", "save_job_errors",
-     "lookup_errors", "mac_rejected"}
+     "lookup_errors", "mac_rejected", "disk_write_errors", "disk_read_errors", "disk_records_rejected",
+     "disk_loads_failed"}
 )
 FAILED = "failed:"
 
@@ -138,6 +142,9 @@ SERIES = {
         "vllm:kvstride_saves_deferred",
         "Request saves left to the request's next step because the store stalled with the staging pool full.",
     ),
+    "loads_from_disk": ("vllm:kvstride_loads_from_disk", "Loads that read some blocks from the disk tier."),
+    "disk_bytes_written": ("vllm:kvstride_disk_bytes_written", "Bytes written to the disk tier's records."),
+    "disk_bytes_read": ("vllm:kvstride_disk_bytes_read", "Bytes read from the disk tier's records."),
 }
 FAILURES_SERIES = (
     "vllm:kvstride_failures",

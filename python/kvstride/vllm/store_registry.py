@@ -16,6 +16,8 @@ from dataclasses import dataclass
 from typing import Dict, Optional, Sequence, Tuple
 
 from kvstride.arena import ArenaPlacement, ArenaSlots, slots_for
+from kvstride.arena.disk import DISK_ALIGN, DiskSpec, check_disk_folder, existing_records_bytes, record_bytes
+from kvstride.arena.disk_index import DiskIndex
 from kvstride.mooncake_config import parse_size, resolve_client_config
 from kvstride.stores import KVStore, MooncakeStore
 from kvstride.stores.placement import StorePlacement
@@ -41,6 +43,20 @@ class StoreChoice:
     keyed_ranks: int  # TP ranks whose keys differ (SEMANTICS §3)
     num_slots: int = 0  # arena slots per rank (embedded)
     stored_groups: Optional[Tuple[int, ...]] = None  # the groups whose blocks are stored (embedded)
+    disk: Optional["DiskChoice"] = None  # the embedded store's disk tier
+
+
+@dataclass(frozen=True)
+class DiskChoice:
+    """``disk_path`` and ``disk_bytes``: the embedded store's disk tier, the same on every side."""
+
+    path: str  # the folder, absolute
+    num_records: int  # per rank
+    payload_bytes: int  # each record's slot bytes (kvstride.arena.disk.record_bytes)
+
+    @property
+    def record_bytes(self) -> int:
+        return self.payload_bytes + DISK_ALIGN
 
 
 def choose_store(extra: dict, kv_cache_config, tp_size: int, stored_groups: Optional[Sequence[int]] = None) -> StoreChoice:
@@ -52,10 +68,38 @@ def choose_store(extra: dict, kv_cache_config, tp_size: int, stored_groups: Opti
     if kind == "embedded":
         store_bytes = parse_size(extra.get("store_bytes", DEFAULT_STORE_BYTES), "store_bytes")
         stored = None if stored_groups is None else tuple(stored_groups)
-        return StoreChoice(kind, 1, slots_for(store_bytes, arena_slot_bytes(kv_cache_config, stored)), stored)
+        slot_bytes = arena_slot_bytes(kv_cache_config, stored)
+        disk = choose_disk(extra, slot_bytes, tp_size)
+        if disk is not None:  # direct I/O: the workers' slots start on its blocks
+            slot_bytes = disk.payload_bytes
+        return StoreChoice(kind, 1, slots_for(store_bytes, slot_bytes), stored, disk)
     if kind == "mooncake":
+        if "disk_path" in extra or "disk_bytes" in extra:
+            raise ValueError("kv_connector_extra_config['disk_path'] is the embedded store's disk tier; with "
+                             "store 'mooncake' configure Mooncake's own SSD offload instead, or use store 'embedded'")
         return StoreChoice(kind, tp_size)
     raise ValueError(f"unknown kvstride store {kind!r}; use 'embedded' (the default) or 'mooncake'")
+
+
+def choose_disk(extra: dict, slot_bytes: int, tp_size: int) -> Optional[DiskChoice]:
+    """``disk_path`` and ``disk_bytes`` (both or neither), checked: a folder this process may
+    write whose file system holds ``disk_bytes`` per TP rank, at least one record."""
+    if "disk_path" not in extra and "disk_bytes" not in extra:
+        return None
+    if "disk_path" not in extra or "disk_bytes" not in extra:
+        given, missing = ("disk_path", "disk_bytes") if "disk_path" in extra else ("disk_bytes", "disk_path")
+        raise ValueError(f"kv_connector_extra_config has {given!r} but not {missing!r}: the disk tier needs both "
+                         "(a folder, and the bytes of records per TP rank, e.g. '4TiB')")
+    disk_bytes = parse_size(extra["disk_bytes"], "disk_bytes")
+    payload, record = record_bytes(slot_bytes)
+    if disk_bytes < record:
+        raise ValueError(f"disk_bytes={disk_bytes} holds no record of {record} bytes; give at least {record} "
+                         "(kv_connector_extra_config['disk_bytes'])")
+    num_records = disk_bytes // record
+    # What this tier's files hold already is reused, not needed again.
+    path = check_disk_folder(extra["disk_path"], num_records * record * tp_size,
+                             existing=existing_records_bytes(extra["disk_path"]))
+    return DiskChoice(path, num_records, payload)
 
 
 def arena_slot_bytes(kv_cache_config, stored_groups: Optional[Sequence[int]] = None) -> int:
@@ -144,9 +188,18 @@ def open_side_store(config, vllm_config, worker: bool):
     scheduler's wrapped in a :class:`~kvstride.stores.placement.StorePlacement`; engines
     share what they store, so their block hashes must agree."""
     if config.store.kind == "embedded":
+        disk = config.store.disk
+        if disk is not None:  # it outlives this engine: the next one must compute the same hashes
+            check_reproducible_hashes(vllm_config, shared=True)
         if worker:
-            return ArenaSlots(config.store.num_slots, stored_groups=config.store.stored_groups), None
-        return ArenaPlacement(config.store.num_slots), None
+            spec = None if disk is None else DiskSpec(
+                disk.path, disk.num_records, disk.payload_bytes, config.worker_rank, config.world_size,
+                bytes.fromhex(config.fingerprint), config.secret)
+            return ArenaSlots(config.store.num_slots, stored_groups=config.store.stored_groups, disk=spec), None
+        index = None if disk is None else DiskIndex(disk.num_records, disk.path, {
+            "record_bytes": disk.record_bytes, "ranks": config.world_size, "fingerprint": config.fingerprint,
+            "model": config.model_identity})
+        return ArenaPlacement(config.store.num_slots, index, config.world_size), None
     check_reproducible_hashes(vllm_config, shared=True)
     if config.secret is None:
         warn_unauthenticated_store()

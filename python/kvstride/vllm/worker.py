@@ -54,6 +54,11 @@ class WorkerSide(Outcomes):
         self._finished_seen: set = set()  # finished req ids vLLM named, not yet reported
         self._recv_done: set = set()  # loads completed, not yet reported to vLLM
         self._load_failed: set = set()  # loads failed, not yet reported to vLLM
+        # The embedded store's disk tier: loads waiting for their records (req id -> its gets),
+        # write-through reports and records found bad, for the scheduler.
+        self._reading: Dict[str, list] = {}
+        self._disk_reports: Dict[int, List[int]] = {}
+        self._disk_corrupt: List[int] = []
 
     def shutdown(self) -> None:
         """Stop the lanes, waiting for what runs (the staging pool's registration ends with
@@ -100,7 +105,19 @@ class WorkerSide(Outcomes):
             self._log_once("no-kv-caches", "kvstride: no KV caches registered (or shut down); loads are recomputed")
             self._load_failed.update(meta.loads)
             return
-        self.engine.submit_planned(gets={rid: rank_entries(gets, self.tp_rank) for rid, gets in meta.loads.items()})
+        gets = {rid: rank_entries(by_rank, self.tp_rank) for rid, by_rank in meta.loads.items()}
+        disk = getattr(self.store, "disk", None)
+        for rid, reads in meta.disk_reads.items():  # their records first, on the disk lane
+            entries = gets.pop(rid, None)
+            if entries is None:
+                continue
+            if disk is None:
+                self._load_failed.add(rid)
+                continue
+            self._reading[rid] = entries
+            disk.read(rid, reads)
+        if gets:
+            self.engine.submit_planned(gets=gets)
 
     def wait_for_save(self, meta: Optional[KVStrideMetadata]) -> None:
         """Copy this step's blocks to save out of the KV cache (into arena slots, or staged
@@ -117,6 +134,7 @@ class WorkerSide(Outcomes):
             return
         self._saved_meta = meta
         try:
+            self._write_through(meta)
             if meta.saves:
                 if self.engine is None:
                     self._job_reports.update((job_id, JOB_REPORTS["failed"]) for job_id in meta.saves)
@@ -129,6 +147,42 @@ class WorkerSide(Outcomes):
             self.count("save_job_errors")
         finally:  # a finished request's blocks are released whether or not its tail was stored
             self._tails_staged.update(meta.finished_tails)
+
+    def _write_through(self, meta: KVStrideMetadata) -> None:
+        """The step's disk write-through jobs (slots the scheduler holds), to the disk lane."""
+        if not meta.disk_writes:
+            return
+        disk = getattr(self.store, "disk", None)
+        for job_id, entries in meta.disk_writes.items():
+            if disk is None:
+                self._disk_reports[job_id] = [0, 1]
+            else:
+                disk.write(job_id, entries)
+
+    def _take_disk(self) -> None:
+        """What the disk lane finished: write-through reports; loads whose records are in
+        their slots go to the engine's load lane, those with a bad record fail."""
+        disk = getattr(self.store, "disk", None)
+        if disk is None:
+            return
+        written, read, counted = disk.take()
+        for name, n in counted.items():
+            self.count(name, n)
+        for job_id, ok in written.items():
+            self._disk_reports[job_id] = [1, 0] if ok else [0, 1]
+        gets = {}
+        for rid, (ok, bad) in read.items():
+            entries = self._reading.pop(rid, None)
+            self._disk_corrupt.extend(bad)
+            if entries is None:
+                continue
+            if ok and self.engine is not None:
+                gets[rid] = entries
+            else:
+                self.count("disk_loads_failed")
+                self._load_failed.add(rid)
+        if gets:
+            self.engine.submit_planned(gets=gets)
 
     def handle_preemptions(self, kv_connector_metadata) -> None:
         """Nothing to wait for: a save never reads a block after its step, and the offsets
@@ -144,6 +198,7 @@ class WorkerSide(Outcomes):
             if isinstance(meta, KVStrideMetadata):
                 self._run_saves(meta)
             self._finished_seen.update(finished_req_ids or ())
+            self._take_disk()
             if self.engine is not None:
                 got = self.engine.get_finished()
                 self._recv_done.update(got.loads_done)
@@ -165,8 +220,10 @@ class WorkerSide(Outcomes):
         return results
 
     def build_connector_worker_meta(self) -> Optional[KVStrideWorkerMetadata]:
-        if not self._job_reports and not self._corrupt:
+        if not (self._job_reports or self._corrupt or self._disk_reports or self._disk_corrupt):
             return None
         reports, self._job_reports = self._job_reports, {}
         corrupt, self._corrupt = self._corrupt, []
-        return KVStrideWorkerMetadata(reports, corrupt)
+        disk, self._disk_reports = self._disk_reports, {}
+        disk_corrupt, self._disk_corrupt = self._disk_corrupt, []
+        return KVStrideWorkerMetadata(reports, corrupt, disk, disk_corrupt)

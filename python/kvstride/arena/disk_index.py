@@ -1,0 +1,127 @@
+"""The disk tier's index, on vLLM's scheduler: which key lives in which record of the workers'
+files (:mod:`kvstride.arena.disk`), every record allocation and eviction, and the same rules
+as the arena's :class:`kvstride.arena.index.SlotIndex` (a key is readable once every rank
+wrote it; records read by a load in flight are pinned; eviction in
+:class:`kvstride.capacity.PrefixOrder`). The readable keys persist in a SQLite database next
+to the records (WAL journal, one transaction a step), so that a restarted engine hits what the
+last one stored; the workers check every record's header and bytes when they read it, so a
+row whose record was torn or overwritten is a miss, never wrong bytes.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import itertools
+import json
+import logging
+import os
+import sqlite3
+from typing import Dict, List, Sequence
+
+from kvstride.arena.index import SlotIndex
+
+__all__ = ["DiskIndex", "INDEX_FILE"]
+
+log = logging.getLogger("kvstride.arena")
+
+INDEX_FILE = "kvstride-index.sqlite3"
+LOCK_FILE = "kvstride.lock"
+
+#: Bumped when the records' layout or the index's schema changes: older indexes start empty.
+FORMAT = 1
+
+
+class DiskIndex(SlotIndex):
+    """A :class:`SlotIndex` over ``num_slots`` disk records whose readable keys persist in
+    ``folder``. ``signature`` names what the records were written for (record size, count, TP
+    ranks, the key namespace's fingerprint): an index written for another is started over."""
+
+    def __init__(self, num_slots: int, folder: str, signature: dict) -> None:
+        super().__init__(num_slots)
+        self.path = os.path.join(folder, INDEX_FILE)
+        # One engine per folder: a second one would reuse the first's records under its feet.
+        self._lock_fd = os.open(os.path.join(folder, LOCK_FILE), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        try:
+            fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(self._lock_fd)
+            raise ValueError(f"disk_path={folder!r} is in use by another engine: give each engine a folder of its "
+                             "own (kv_connector_extra_config['disk_path'])") from None
+        try:
+            self._db = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False)
+            self._db.execute("PRAGMA journal_mode=WAL")
+            self._db.execute("PRAGMA synchronous=NORMAL")
+            self._db.execute("CREATE TABLE IF NOT EXISTS meta (name TEXT PRIMARY KEY, value TEXT NOT NULL)")
+            self._db.execute("CREATE TABLE IF NOT EXISTS records (key TEXT PRIMARY KEY, slot INTEGER NOT NULL, "
+                             "stamp INTEGER NOT NULL, depth INTEGER NOT NULL, worth REAL NOT NULL)")
+        except sqlite3.Error as err:
+            os.close(self._lock_fd)
+            raise ValueError(f"disk_path: the disk tier's index {self.path!r} cannot be opened: {err}") from None
+        self._pending: Dict[str, tuple] = {}  # key -> its row to write, or () to delete
+        self.restored = self._restore(json.dumps(dict(signature, format=FORMAT), sort_keys=True))
+
+    def _restore(self, signature: str) -> int:
+        """Load the readable keys the last engine left; how many."""
+        row = self._db.execute("SELECT value FROM meta WHERE name = 'signature'").fetchone()
+        if row is None or row[0] != signature:
+            if row is not None:
+                log.warning("kvstride: the disk tier in %s was written for another configuration; it starts empty",
+                            os.path.dirname(self.path))
+            with self._db:
+                self._db.execute("BEGIN")
+                self._db.execute("DELETE FROM records")
+                self._db.execute("INSERT OR REPLACE INTO meta VALUES ('signature', ?)", (signature,))
+            return 0
+        used = set()
+        newest = 0
+        for key, slot, stamp, depth, worth in self._db.execute("SELECT key, slot, stamp, depth, worth FROM records"):
+            if not 0 <= slot < self.num_slots or slot in used:
+                continue
+            used.add(slot)
+            self._ready[key] = slot
+            self._key_of[slot] = key
+            self.order.rank(key, stamp, depth, worth)
+            newest = max(newest, stamp)
+        self._free = [s for s in range(self.num_slots - 1, -1, -1) if s not in used]
+        self.order._stamps = itertools.count(newest + 1)  # new writes rank after every restored one
+        return len(self._ready)
+
+    # SlotIndex's hooks: every readable key that comes or goes is a row to write or delete.
+    def _readied(self, keys: Sequence[str]) -> None:
+        live, worths = self.order._live, self.order._worth
+        for key in keys:
+            _, stamp, neg_depth, _ = live[key]
+            self._pending[key] = (key, self._ready[key], stamp, -neg_depth, worths.get(key, 1.0))
+
+    def _dropped(self, key: str) -> None:
+        self._pending[key] = ()
+
+    def flush(self) -> None:
+        """Write this step's changes in one transaction (a failure is logged: the rows are
+        written with the next step's, or lost, which costs hits, never bytes)."""
+        if not self._pending:
+            return
+        pending, self._pending = self._pending, {}
+        rows = [row for row in pending.values() if row]
+        gone = [(key,) for key, row in pending.items() if not row]
+        try:
+            with self._db:
+                self._db.execute("BEGIN")
+                self._db.executemany("DELETE FROM records WHERE key = ?", gone)
+                self._db.executemany("INSERT OR REPLACE INTO records VALUES (?, ?, ?, ?, ?)", rows)
+        except sqlite3.Error as err:
+            log.warning("kvstride: the disk tier's index could not be written (%s); retried next step", err)
+            for key, row in pending.items():
+                self._pending.setdefault(key, row)
+
+    def close(self) -> None:
+        if self._lock_fd < 0:
+            return
+        self.flush()
+        self._db.close()
+        os.close(self._lock_fd)  # the lock goes with it (and with the process, however it ends)
+        self._lock_fd = -1
+
+    def rows(self) -> List[tuple]:
+        """The persisted rows (tests)."""
+        return list(self._db.execute("SELECT key, slot FROM records ORDER BY slot"))

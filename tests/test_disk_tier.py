@@ -1,0 +1,242 @@
+"""The embedded store's disk tier without vLLM: the workers' record files
+(:mod:`kvstride.arena.disk`), the scheduler's persisted index (:mod:`kvstride.arena.disk_index`)
+and the placement that joins them to the arena (``ArenaPlacement``): what is written can be read
+back bit for bit, after a restart too, and a record that is torn, foreign or changed on disk is a
+miss, never bytes in a KV block. (In a real engine: tests/test_vllm.py's disk tests.)"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+import torch
+
+from kvstride.arena import ArenaPlacement, ArenaSlots
+from kvstride.arena.disk import DiskSpec, check_disk_folder, record_bytes
+from kvstride.arena.disk_index import DiskIndex
+from kvstride.layout import KVLayout
+from kvstride.stores import Status
+from kvstride.stores.placement import EVERY_RANK
+
+NUM_BLOCKS = 16
+FINGERPRINT = bytes(range(8))
+
+
+def _kv():
+    return {"attn": torch.randn(NUM_BLOCKS, 2, 16, 8, 64).to(torch.bfloat16)}
+
+
+def _slots(folder, kv, num_slots=4, records=32, secret=None, fingerprint=FINGERPRINT):
+    layout = KVLayout(kv, [["attn"]])
+    payload, _ = record_bytes(layout.groups[0].block_bytes)
+    spec = DiskSpec(str(folder), records, payload, rank=0, ranks=1, fingerprint=fingerprint, secret=secret)
+    slots = ArenaSlots(num_slots, disk=spec)
+    slots.bind_layout(layout)
+    return slots
+
+
+def _wait(lane):
+    """The lane's outcomes once every job it was given ran."""
+    for pool in (lane._write_lane, lane._read_lane):
+        pool.submit(lambda: None).result()
+    written, read, _ = lane.take()
+    return written, read
+
+
+def test_a_record_reads_back_into_another_slot_bit_for_bit(tmp_path):
+    kv = _kv()
+    slots = _slots(tmp_path, kv)
+    try:
+        want = kv["attn"][3].clone()
+        slots.save_blocks([0], [0], [3])
+        slots.disk.write(7, [(0, 5, "key-a")])
+        assert _wait(slots.disk) == ({7: True}, {})
+        kv["attn"][9].zero_()
+        slots.disk.read("r", [(5, 2, "key-a", 0)])
+        assert _wait(slots.disk) == ({}, {"r": (True, [])})
+        assert slots.load_blocks([2], [0], [9]) == [Status.OK]
+        assert torch.equal(kv["attn"][9], want)
+    finally:
+        slots.close()
+
+
+def _record_then(tmp_path, damage, **reader):
+    """Write one record, ``damage(path, spec)`` it, and read it with ``reader``'s settings."""
+    kv = _kv()
+    writer = _slots(tmp_path, kv)
+    writer.save_blocks([0], [0], [1])
+    writer.disk.write(1, [(0, 3, "key-a")])
+    assert _wait(writer.disk)[0] == {1: True}
+    spec = writer.disk_spec
+    writer.close()
+    damage(spec)
+    reader_slots = _slots(tmp_path, kv, **reader)
+    try:
+        reader_slots.disk.read("r", [(3, 1, "key-a", 0)])
+        for pool in (reader_slots.disk._write_lane, reader_slots.disk._read_lane):
+            pool.submit(lambda: None).result()
+        _, read, counters = reader_slots.disk.take()
+        return read["r"], counters
+    finally:
+        reader_slots.close()
+
+
+def _flip(offset_of):
+    def damage(spec):
+        with open(spec.file, "r+b") as f:
+            f.seek(offset_of(spec))
+            byte = f.read(1)
+            f.seek(offset_of(spec))
+            f.write(bytes([byte[0] ^ 0xFF]))
+    return damage
+
+
+@pytest.mark.parametrize("where", ["payload", "header"])
+def test_a_changed_byte_on_disk_is_a_miss(tmp_path, where):
+    at = {"payload": lambda spec: 3 * spec.record_bytes + 100,
+          "header": lambda spec: 3 * spec.record_bytes + spec.payload_bytes + 20}[where]
+    (ok, bad), counters = _record_then(tmp_path, _flip(at))
+    assert (ok, bad) == (False, [3]) and counters == {"disk_records_rejected": 1, "disk_bytes_read": 36864}
+
+
+def test_a_torn_write_is_a_miss(tmp_path):
+    """The payload's second half never reached the disk (zeros where it was)."""
+    def tear(spec):
+        with open(spec.file, "r+b") as f:
+            f.seek(3 * spec.record_bytes + spec.payload_bytes // 2)
+            f.write(bytes(spec.payload_bytes // 2))
+    (ok, bad), _ = _record_then(tmp_path, tear)
+    assert (ok, bad) == (False, [3])
+
+
+def test_a_record_of_another_configuration_or_secret_is_a_miss(tmp_path):
+    (ok, _), _ = _record_then(tmp_path, lambda spec: None, fingerprint=bytes(8))
+    assert not ok
+    (ok, _), _ = _record_then(tmp_path, lambda spec: None, secret=b"s" * 32)
+    assert not ok
+    (ok, _), _ = _record_then(tmp_path, lambda spec: None)  # the control: untouched, same settings
+    assert ok
+
+
+def test_random_bytes_over_the_file_are_misses(tmp_path):
+    def scramble(spec):
+        with open(spec.file, "r+b") as f:
+            f.write(np.random.default_rng(0).integers(0, 256, spec.num_records * spec.record_bytes, np.uint8).tobytes())
+    (ok, bad), _ = _record_then(tmp_path, scramble)
+    assert (ok, bad) == (False, [3])
+
+
+def test_with_a_secret_a_record_written_without_it_is_a_miss(tmp_path):
+    kv = _kv()
+    writer = _slots(tmp_path, kv, secret=b"k" * 32)
+    writer.save_blocks([0], [0], [1])
+    writer.disk.write(1, [(0, 0, "key-a")])
+    _wait(writer.disk)
+    writer.close()
+    for secret, readable in ((b"k" * 32, True), (None, False), (b"x" * 32, False)):
+        reader = _slots(tmp_path, kv, secret=secret)
+        try:
+            reader.disk.read("r", [(0, 0, "key-a", 0)])
+            assert _wait(reader.disk)[1]["r"][0] is readable, secret
+        finally:
+            reader.close()
+
+
+def _index(folder, records=8, **signature):
+    return DiskIndex(records, str(folder), dict({"record_bytes": 4096 * 3, "ranks": 1}, **signature))
+
+
+def test_the_index_persists_what_every_rank_wrote_and_only_that(tmp_path):
+    index = _index(tmp_path)
+    index.reserve(["a", "b", "c"], {"a": (5, 0, 1.0), "b": (5, 1, 1.0), "c": (5, 2, 1.0)})
+    index.confirm(["a", "b"])
+    index.abandon(["c"])
+    index.flush()
+    index.close()
+    again = _index(tmp_path)
+    try:
+        assert again.restored == 2 and again.exists(["a", "b", "c"]) == [True, True, False]
+        assert again.slot("a") != again.slot("b")
+        # New writes rank after the restored ones: the restored deepest block goes first.
+        again.reserve(["d"])
+        again.confirm(["d"])
+        assert again.keys()[0] == "b"
+    finally:
+        again.close()
+    other = _index(tmp_path, fingerprint="another")
+    try:
+        assert other.restored == 0 and other.exists(["a"]) == [False]
+    finally:
+        other.close()
+
+
+def test_one_engine_per_disk_folder(tmp_path):
+    index = _index(tmp_path)
+    try:
+        with pytest.raises(ValueError, match="in use by another engine"):
+            _index(tmp_path)
+    finally:
+        index.close()
+    _index(tmp_path).close()  # free again once the first closed
+
+
+def test_the_placement_writes_through_and_loads_from_disk_what_memory_evicted(tmp_path):
+    """Two arena slots, eight records: three keys saved one at a time; the first is evicted
+    from memory but still hits, from disk: its load reads the record into a reserved slot,
+    which then holds it in memory again."""
+    placement = ArenaPlacement(2, _index(tmp_path), world_size=2)
+    try:
+        for n, key in enumerate(["a", "b", "c"]):
+            placed, keys, refused = placement.place_saves([[(key, 0, n)]])
+            assert keys == [key] and not refused
+            placement.saves_done(keys, ok=True)
+            ((job, entries),) = placement.take_disk_writes().items()
+            assert [k for _, _, k in entries] == [key]
+            placement.disk_written({job: [1, 0]})
+            assert placement.disk.exists([key]) == [False]  # one rank of two so far
+            placement.disk_written({job: [1, 0]})
+            assert placement.disk.exists([key]) == [True]
+        assert placement.index.exists(["a", "b", "c"]) == [False, True, True]
+        assert placement.exists(["a", "b", "c"]) == [True, True, True]
+        placed = placement.place_load("r", [[("a", 0, 7), ("b", 0, 8)]])
+        ((record, slot, key, group),) = placement.disk_reads("r")
+        assert (key, group) == ("a", 0) and record == placement.disk.slot("a")
+        assert placed[EVERY_RANK] == [(slot, 0, 7), (placement.index.slot("b"), 0, 8)]
+        placement.load_done("r", ok=True)
+        assert placement.index.exists(["a"]) == [True] and placement.disk_reads("r") == []
+        placement.flush()
+        assert {key for key, _ in placement.disk.rows()} == {"a", "b", "c"}
+    finally:
+        placement.close()
+
+
+def test_a_failed_disk_load_frees_its_slot_and_a_bad_record_is_forgotten(tmp_path):
+    placement = ArenaPlacement(1, _index(tmp_path), world_size=1)
+    try:
+        for n, key in enumerate(["a", "b"]):
+            placement.place_saves([[(key, 0, n)]])
+            placement.saves_done([key], ok=True)
+            (job,) = placement.take_disk_writes()
+            placement.disk_written({job: [1, 0]})
+        placement.place_load("r", [[("a", 0, 7)]])
+        ((record, _, _, _),) = placement.disk_reads("r")
+        placement.load_done("r", ok=False)
+        placement.forget_disk_corrupt([record])
+        assert placement.exists(["a", "b"]) == [False, True]
+        assert placement.reset()  # nothing in flight: both tiers empty
+        assert placement.exists(["b"]) == [False]
+    finally:
+        placement.close()
+
+
+def test_a_bad_disk_folder_is_refused_at_construction(tmp_path):
+    with pytest.raises(ValueError, match="is not a folder"):
+        check_disk_folder(tmp_path / "missing", 1 << 20)
+    with pytest.raises(ValueError, match="does not fit"):
+        check_disk_folder(tmp_path, 1 << 62)
+    if os.geteuid() != 0:  # root writes anywhere
+        ro = tmp_path / "ro"
+        ro.mkdir(mode=0o500)
+        with pytest.raises(ValueError, match="not writable"):
+            check_disk_folder(ro, 1 << 20)
