@@ -496,6 +496,27 @@ def test_tensor_parallel_two_ranks(workdir, base_env, model_dirs, store_serve, p
     assert _mismatches(_outputs(result["outputs"]), plain_tp2) == []
 
 
+def test_tensor_parallel_disk_tier_across_a_restart(workdir, base_env, model_dirs, plain_tp2, tmp_path):
+    """TP=2 with the embedded store's disk tier: engine A runs the scenario, writing every
+    value through to each rank's record file; engine B, a new process on the same folder with
+    an empty memory tier, hits P2 and the repeat from disk on both ranks, bit-identical with a
+    plain TP=2 run."""
+    folder = tmp_path / "disk"
+    folder.mkdir()
+    connector = {"store": "embedded", "store_bytes": "8MiB", "disk_path": str(folder), "disk_bytes": "64MiB"}
+    job = dict(model=TP_MODEL, path=model_dirs[TP_MODEL], backend="mp", tp=2, connector=connector)
+    env = _tp2_env(base_env, "embedded", None)
+    (a,) = _run_engines(workdir, env, [dict(job, phases="scenario")], "tp2-disk-a")
+    assert _mismatches(_outputs(a["outputs"]), plain_tp2) == [], "engine A (TP=2, disk tier)"
+    assert {"kvstride-rank0-of-2.records", "kvstride-rank1-of-2.records"} <= set(os.listdir(folder))
+    (b,) = _run_engines(workdir, env, [dict(job, phases=["p2", "repeat"])], "tp2-disk-b")
+    # A stored P2 whole: both prompts hit all but their last block.
+    assert b["hits"] == {"p2": harness.PROMPT_TOKENS - 32, "repeat": harness.PROMPT_TOKENS - 32}, b
+    assert b["kvstride"].get("vllm:kvstride_loads_from_disk", 0) == 2, b["kvstride"]
+    assert b["kvstride"].get("vllm:kvstride_failures", 0) == 0, b["kvstride"]
+    assert _mismatches(_outputs(b["outputs"]), {k: plain_tp2[k] for k in ("p2", "repeat")}) == []
+
+
 #: External hit tokens of the scenario's phases after a forced miss, when the store holds
 #: everything computed before: P2 shares P1's first 384 tokens; a prompt stored whole hits all
 #: but its last block (a 32-token block must be computed to keep one token for vLLM).
