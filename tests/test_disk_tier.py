@@ -240,3 +240,60 @@ def test_a_bad_disk_folder_is_refused_at_construction(tmp_path):
         ro.mkdir(mode=0o500)
         with pytest.raises(ValueError, match="not writable"):
             check_disk_folder(ro, 1 << 20)
+
+
+def test_io_errors_at_run_time_are_counted_misses(tmp_path, monkeypatch):
+    """A write the drive refuses leaves the value in memory only (the job fails, counted); a
+    read it refuses fails the load (counted), which vLLM recomputes. Nothing raises."""
+    import errno
+
+    import kvstride.arena.disk as disk_module
+
+    kv = _kv()
+    slots = _slots(tmp_path, kv)
+    try:
+        slots.save_blocks([0], [0], [1])
+        slots.disk.write(1, [(0, 0, "key-a")])
+        assert _wait(slots.disk)[0] == {1: True}
+
+        def refuse(*args):
+            raise OSError(errno.EIO, "Input/output error")
+
+        monkeypatch.setattr(disk_module.os, "pwritev", refuse)
+        monkeypatch.setattr(disk_module.os, "preadv", refuse)
+        slots.disk.write(2, [(0, 1, "key-b")])
+        slots.disk.read("r", [(0, 1, "key-a", 0)])
+        for pool in (slots.disk._write_lane, slots.disk._read_lane):
+            pool.submit(lambda: None).result()
+        written, read, counters = slots.disk.take()
+        assert written == {2: False} and read == {"r": (False, [0])}
+        assert counters["disk_write_errors"] == 1 and counters["disk_read_errors"] == 1
+    finally:
+        slots.close()
+
+
+def test_a_vanished_folder_at_run_time_keeps_the_open_files(tmp_path):
+    """The folder removed under a running engine: its open record file and index go on (the
+    files are unlinked, not gone, until the engine ends); the next engine starts empty."""
+    import shutil
+
+    folder = tmp_path / "disk"
+    folder.mkdir()
+    kv = _kv()
+    slots = _slots(folder, kv)
+    index = _index(folder)
+    try:
+        shutil.rmtree(folder)
+        slots.save_blocks([0], [0], [1])
+        slots.disk.write(1, [(0, 0, "key-a")])
+        assert _wait(slots.disk) == ({1: True}, {})
+        slots.disk.read("r", [(0, 1, "key-a", 0)])
+        assert _wait(slots.disk) == ({}, {"r": (True, [])})
+        index.reserve(["key-a"])
+        index.confirm(["key-a"])
+        index.flush()
+    finally:
+        slots.close()
+        index.close()
+    with pytest.raises(ValueError, match="is not a folder"):
+        check_disk_folder(folder, 1 << 20)
