@@ -257,3 +257,22 @@ def test_the_arena_is_sized_for_the_groups_it_stores(llama_dir):
     resolved = resolve_config(vllm_config(llama_dir, {"store": "embedded", "store_bytes": 1 << 20}), config, worker=True)
     assert resolved.store.stored_groups == (0,)
     assert resolved.store.num_slots == (1 << 20) // full.page_size_bytes
+
+
+def test_the_disk_tier_is_checked_at_construction(llama_dir, tmp_path):
+    """Every bad disk setting is a ValueError naming it, before any engine work."""
+    folder = str(tmp_path)
+    for extra, match in [
+        ({"disk_path": folder}, "has 'disk_path' but not 'disk_bytes'"),
+        ({"disk_bytes": "1GiB"}, "has 'disk_bytes' but not 'disk_path'"),
+        ({"disk_path": str(tmp_path / "missing"), "disk_bytes": "1GiB"}, "is not a folder"),
+        ({"disk_path": folder, "disk_bytes": "1000TiB"}, "does not fit"),
+        ({"disk_path": folder, "disk_bytes": "12"}, "holds no record"),
+        ({"disk_path": folder, "disk_bytes": "lots"}, "disk_bytes 'lots' is not a size"),
+        ({"store": "mooncake", "disk_path": folder, "disk_bytes": "1GiB"}, "embedded store's disk tier"),
+    ]:
+        with pytest.raises(ValueError, match=match):
+            resolve_config(vllm_config(llama_dir, dict({"store": "embedded"}, **extra)), kv_cache_config(), worker=False)
+    config = resolve_config(vllm_config(llama_dir, {"store": "embedded", "disk_path": folder, "disk_bytes": "1GiB"}),
+                            kv_cache_config(), worker=False)
+    assert config.store.disk.num_records > 0 and config.model_identity is not None  # the weights are in the keys

@@ -169,6 +169,15 @@ def check_reproducible_hashes(vllm_config, shared: bool) -> None:
         warn_once("portability", "%s", warning)
 
 
+def warn_disk_not_reusable(vllm_config) -> None:
+    """The disk tier outlives its engine only for hashes a restarted engine computes again: when
+    it would not, say so once (the tier still adds capacity while this engine runs)."""
+    problems = hash_reproducibility_problems(vllm_config)
+    if problems:
+        warn_once("disk-restarts", "kvstride: a restarted engine will not hit this disk tier's records: %s",
+                  "; and ".join(problems))
+
+
 def check_strong_hash(vllm_config, extra: dict) -> None:
     """A store shared across engines (Mooncake) with a non-cryptographic block hash is a
     ``ValueError`` naming the fix, unless ``extra["allow_weak_hash"]`` is ``true`` (a

@@ -22,7 +22,9 @@ from kvstride.mooncake_config import parse_size, resolve_client_config
 from kvstride.stores import KVStore, MooncakeStore
 from kvstride.stores.placement import StorePlacement
 from kvstride.transfer import StagingPool, Transfer, header_room_for, staging_bytes_for
-from kvstride.vllm.checks import check_reproducible_hashes, warn_secret_on_tcp, warn_unauthenticated_store
+from kvstride.vllm.checks import (
+    check_reproducible_hashes, warn_disk_not_reusable, warn_secret_on_tcp, warn_unauthenticated_store,
+)
 
 __all__ = [
     "StoreChoice", "choose_store", "open_side_store", "engine_transfer",
@@ -189,8 +191,8 @@ def open_side_store(config, vllm_config, worker: bool):
     share what they store, so their block hashes must agree."""
     if config.store.kind == "embedded":
         disk = config.store.disk
-        if disk is not None:  # it outlives this engine: the next one must compute the same hashes
-            check_reproducible_hashes(vllm_config, shared=True)
+        if disk is not None:  # it outlives this engine, for one that computes the same hashes
+            warn_disk_not_reusable(vllm_config)
         if worker:
             spec = None if disk is None else DiskSpec(
                 disk.path, disk.num_records, disk.payload_bytes, config.worker_rank, config.world_size,
