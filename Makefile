@@ -3,9 +3,10 @@
 PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python
-# torch: the CPU build in ../shared/wheels when present (PyPI has only CUDA builds), whatever
-# PIP_FIND_LINKS the environment brings (its links are kept, after it).
-export PIP_FIND_LINKS := $(strip $(abspath ../shared/wheels) $(PIP_FIND_LINKS))
+# torch: the CPU build from the wheels in TORCH_WHEELS when present (PyPI's Linux torch is a
+# CUDA build), whatever PIP_FIND_LINKS the environment brings (its links are kept, after it).
+TORCH_WHEELS ?= ../shared/wheels
+export PIP_FIND_LINKS := $(strip $(abspath $(TORCH_WHEELS)) $(PIP_FIND_LINKS))
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
 # The simulate demo's (embedded store: no Mooncake, no system packages); the tests add Mooncake.

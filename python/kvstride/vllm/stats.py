@@ -46,6 +46,9 @@ COUNTED = {
     "bytes_stored": "bytes_stored",
     "puts_skipped_present": "put_skipped_present",
     "saves_deferred": "saves_deferred",
+}
+#: The same for the embedded store's disk tier: in the log line only when it moved something.
+DISK_COUNTED = {
     "loads_from_disk": "loads_from_disk",
     "disk_bytes_written": "disk_bytes_written",
     "disk_bytes_read": "disk_bytes_read",
@@ -88,9 +91,10 @@ class KVStrideStats(KVConnectorStats):
         return KVStrideStats(data=summed)
 
     def reduce(self) -> Dict[str, int | float]:
-        """Every counted name (0 included, for a stable log line), the hit rate, seconds
-        rounded to ms, then the failures that occurred."""
+        """Every counted name (0 included, for a stable log line), the disk tier's when it
+        moved bytes, the hit rate, seconds rounded to ms, then the failures that occurred."""
         summary: Dict[str, int | float] = {name: self.data.get(name, 0) for name in COUNTED}
+        summary.update((name, self.data[name]) for name in DISK_COUNTED if self.data.get(name))
         if summary["lookup_tokens"]:
             summary["lookup_hit_rate"] = round(summary["lookup_hit_tokens"] / summary["lookup_tokens"], 3)
         summary.update((name, round(self.data.get(name, 0.0), 3)) for name in TIMED)
@@ -108,7 +112,7 @@ def stats_delta(
     ``last`` (updated to the current ones); None when nothing did."""
     # Snapshots in one C call each: the engine's lanes keep counting on other threads.
     counters, seconds = dict(counters), dict(seconds)
-    totals: Dict[str, int | float] = {name: counters.get(counter, 0) for name, counter in COUNTED.items()}
+    totals: Dict[str, int | float] = {name: counters.get(counter, 0) for name, counter in {**COUNTED, **DISK_COUNTED}.items()}
     totals.update((name, seconds.get(operation, 0.0)) for name, operation in TIMED.items())
     totals.update((FAILED + counter, n) for counter, n in counters.items() if _is_failure(counter))
     data: Dict[str, int | float] = {}
