@@ -973,10 +973,10 @@ def test_planning_only_engine_starts_no_threads_and_moves_no_blocks(rig_factory)
         assert planning.wait_idle(timeout=5)
 
 
-@pytest.mark.parametrize("option", ["save_wait_s", "put_linger_s"])
+@pytest.mark.parametrize("option", ["save_wait_s", "put_linger_s", "staging_wait_s"])
 @pytest.mark.parametrize("value", [-1, float("nan"), float("inf"), "soon", True, None])
 def test_bad_seconds_options_are_refused_at_construction(rig_factory, option, value):
-    """``save_wait_s`` or ``put_linger_s`` (``kv_connector_extra_config``) that is not a finite
+    """``save_wait_s``, ``put_linger_s`` or ``staging_wait_s`` (``kv_connector_extra_config``) that is not a finite
     number of seconds >= 0 is a ValueError naming it, before any lane starts."""
     rig = rig_factory("fa")
     with pytest.raises(ValueError, match=option):

@@ -173,6 +173,28 @@ def test_step_finding_the_pool_held_by_an_earlier_step_waits_while_the_store_kee
     rig.load_and_compare("later", hashes, table)
 
 
+def test_a_step_waits_for_staging_room_at_most_staging_wait_s_in_all(rig):
+    """The store keeps up (each put 0.3 s, far within ``save_wait_s``) but is slow: step 2 would
+    wait for step 1's six puts one after the other. Past ``staging_wait_s`` of waiting in all,
+    its save is deferred (counted) instead of holding vLLM's step for as long as the store
+    takes; the request's next step stores it."""
+    rig.engine.save_wait_s = 60.0
+    rig.engine.staging_wait_s = 0.2
+    rig.store.delay = 0.3
+    first_hashes, first_table = rig.request(6)  # 6 blocks: the whole save share
+    rig.engine.submit(saves=[SaveRequest("first", first_hashes, [first_table], 6 * BLOCK)])
+    hashes, table = rig.request(4)
+    rig.engine.submit(saves=[SaveRequest("later", hashes, [table], 4 * BLOCK)])
+    assert rig.engine.wait_idle(30)
+    done = rig.engine.get_finished()
+    assert done.saves_done == {"first", "later"} and not done.saves_failed
+    assert done.saves_deferred == {"later"} and rig.engine.counters["saves_deferred"] == 1
+    rig.store.delay = 0.0
+    rig.engine.submit(saves=[SaveRequest("later", hashes, [table], 4 * BLOCK)])
+    assert rig.engine.wait_idle(30)
+    assert rig.engine.saved_offset("later") == 4 * BLOCK
+
+
 def test_step_finding_the_pool_held_by_a_stalled_store_is_deferred(rig):
     """Step 1 fills the save share and its puts hang, far past ``save_wait_s``: the store has
     stalled. Step 2 does not stall with it: after at most ``save_wait_s`` its save is deferred

@@ -195,6 +195,10 @@ DEFAULT_LOAD_TIMEOUT_S = 10.0
 #: staging pool full waits for room while the running put is younger, and defers after.
 DEFAULT_SAVE_WAIT_S = 2.0
 
+#: How long one step may wait in all for staging room while the store keeps up (a slow but
+#: alive store): past it the step's remaining saves are deferred, as with a stalled store.
+DEFAULT_STAGING_WAIT_S = 4.0
+
 #: At most this many keys in one store call of the save lane (``OffloadEngine._next_items``).
 PUT_KEYS_PER_CALL = 1024
 
@@ -232,6 +236,12 @@ def check_save_wait(value) -> float:
     """``save_wait_s`` as seconds, or ``ValueError`` naming it."""
     return _check_seconds("save_wait_s", value, "how long a store put may run before a step full of saves defers "
                           "instead of waiting")
+
+
+def check_staging_wait(value) -> float:
+    """``staging_wait_s`` as seconds, or ``ValueError`` naming it."""
+    return _check_seconds("staging_wait_s", value, "how long one step may wait in all for staging room before "
+                          "its remaining saves are deferred")
 
 
 def check_load_timeout(value) -> float:
@@ -273,8 +283,10 @@ class OffloadEngine:
         put_linger_s: float = DEFAULT_PUT_LINGER_S,
         load_timeout_s: float = DEFAULT_LOAD_TIMEOUT_S,
         lookup_timeout_s: float = DEFAULT_LOOKUP_TIMEOUT_S,
+        staging_wait_s: float = DEFAULT_STAGING_WAIT_S,
     ) -> None:
         self.save_wait_s = check_save_wait(save_wait_s)
+        self.staging_wait_s = check_staging_wait(staging_wait_s)
         self.put_linger_s = check_put_linger(put_linger_s)
         self.load_timeout_s = check_load_timeout(load_timeout_s)
         self.lookup_timeout_s = check_lookup_timeout(lookup_timeout_s)
@@ -962,9 +974,14 @@ class OffloadEngine:
         """Copy ``entries`` into staging batch by batch, each handed to the save lane at once
         (``_stage_saves``)."""
         start_time = time.perf_counter()
+        deadline = time.monotonic() + self.staging_wait_s  # what the step waits for room in all
+
+        def room_coming() -> bool:
+            return self._save_room_coming() and time.monotonic() < deadline
+
         position = 0
         while position < len(entries):
-            end, batch = self._stage_run(entries, position, "save", self._save_room_coming)
+            end, batch = self._stage_run(entries, position, "save", room_coming)
             if batch is None:
                 if self._closed:
                     self._refuse(job)
@@ -1010,10 +1027,11 @@ class OffloadEngine:
         step that offered them)."""
         self._log_once(
             "save-deferred",
-            "kvstride: a store put ran longer than save_wait_s=%.1f s with the staging pool full: this step's "
-            "remaining saves are deferred (counted as saves_deferred); blocks a later step cannot save again "
-            "(window blocks that left the window, partial tails) are lost",
-            self.save_wait_s,
+            "kvstride: with the staging pool full, a store put ran longer than save_wait_s=%.1f s or the step "
+            "waited staging_wait_s=%.1f s for room: this step's remaining saves are deferred (counted as "
+            "saves_deferred); blocks a later step cannot save again (window blocks that left the window, partial "
+            "tails) are lost",
+            self.save_wait_s, self.staging_wait_s,
         )
         deferred = {rid for key, _, _ in rest for rid in job.owners[key]}
         tails_lost = {rid for key, _, _ in rest if key in job.tail_keys for rid in job.owners[key]}

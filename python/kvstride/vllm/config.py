@@ -17,10 +17,12 @@ from kvstride.engine import (
     DEFAULT_LOOKUP_TIMEOUT_S,
     DEFAULT_PUT_LINGER_S,
     DEFAULT_SAVE_WAIT_S,
+    DEFAULT_STAGING_WAIT_S,
     check_load_timeout,
     check_lookup_timeout,
     check_put_linger,
     check_save_wait,
+    check_staging_wait,
 )
 from kvstride.secret import load_secret
 from kvstride.vllm.checks import check_strong_hash, warn_once
@@ -39,7 +41,8 @@ ADMISSION_POLICIES = ("kvstride", "dense")
 #: Every ``kv_connector_extra_config`` key the connector reads (README lists them): any other
 #: is refused, so that a misspelled ``secret_file`` never runs a shared store unauthenticated.
 KNOWN_KEYS = frozenset({
-    "store", "store_bytes", "disk_path", "disk_bytes", "staging_bytes", "save_wait_s", "put_linger_s", "load_timeout_s", "lookup_timeout_s",
+    "store", "store_bytes", "disk_path", "disk_bytes", "staging_bytes", "save_wait_s", "staging_wait_s", "put_linger_s",
+    "load_timeout_s", "lookup_timeout_s",
     "admission",
     "store_name", "model_id", "model_identity", "allow_weak_hash", "cache_prefix", "secret_file", *OVERRIDE_KEYS,
 })
@@ -256,6 +259,7 @@ class ConnectorConfig:
     store: StoreChoice  # which store, and what its kind decides for the rest
     world_size: int
     save_wait_s: float = DEFAULT_SAVE_WAIT_S  # the workers' engines' (kvstride.engine)
+    staging_wait_s: float = DEFAULT_STAGING_WAIT_S  # the workers' engines' (kvstride.engine)
     put_linger_s: float = DEFAULT_PUT_LINGER_S  # the workers' engines' (kvstride.engine)
     load_timeout_s: float = DEFAULT_LOAD_TIMEOUT_S  # the workers' engines' (kvstride.engine)
     lookup_timeout_s: float = DEFAULT_LOOKUP_TIMEOUT_S  # the scheduler's engine's (kvstride.engine)
@@ -337,6 +341,7 @@ def resolve_config(vllm_config, kv_cache_config, worker: bool) -> ConnectorConfi
     return ConnectorConfig(
         extra, groups, fp, planner, rank_planners, tp_rank, secret, store, world_size, save_wait_s,
         put_linger_s=check_put_linger(extra.get("put_linger_s", DEFAULT_PUT_LINGER_S)),
+        staging_wait_s=check_staging_wait(extra.get("staging_wait_s", DEFAULT_STAGING_WAIT_S)),
         load_timeout_s=check_load_timeout(extra.get("load_timeout_s", DEFAULT_LOAD_TIMEOUT_S)),
         lookup_timeout_s=check_lookup_timeout(extra.get("lookup_timeout_s", DEFAULT_LOOKUP_TIMEOUT_S)),
         admission=check_admission(extra.get("admission", "kvstride")),

@@ -42,6 +42,7 @@ class WorkerSide(Outcomes):
         self.store = store  # the Mooncake client, or the arena's slots (kvstride.arena.ArenaSlots)
         self._extra = config.extra
         self._save_wait_s = config.save_wait_s
+        self._staging_wait_s = config.staging_wait_s
         self._put_linger_s = config.put_linger_s
         self._load_timeout_s = config.load_timeout_s
         self._vllm_config = vllm_config
@@ -78,6 +79,7 @@ class WorkerSide(Outcomes):
             return
         self.engine = OffloadEngine(
             self.planner, transfer, self.store, name="kvstride-worker", save_wait_s=self._save_wait_s,
+            staging_wait_s=self._staging_wait_s,
             put_linger_s=self._put_linger_s, load_timeout_s=self._load_timeout_s,
         )
 
