@@ -110,6 +110,7 @@ class StagingPool:
             "load": (boundary, self.capacity) if self.load_bytes else (0, self.capacity),
         }
         self.tensor = torch.empty(self.capacity, dtype=torch.uint8, pin_memory=bool(pin))
+        self.tensor.zero_()  # touched once here: the first loads and saves take no page faults
         self.pinned = bool(pin)
         self.ptr = self.tensor.data_ptr()
         self._free = [(0, self.capacity)]  # sorted, coalesced (offset, size)
