@@ -12,6 +12,8 @@ arena or Mooncake does), so any of them can sit in front of a real store:
   more prefill per byte (:func:`prefill_per_byte`) outlive the others; at one level the least
   recently used request first, its deepest block first, so what stays of a request is a
   prefix that can still serve a hit at some shorter boundary (SEMANTICS §8).
+- :class:`TieredIndex`: two :class:`PrefixIndex` tiers, host memory over a local disk, the
+  disk written through or spilled to (the replay's ``kvstride`` policy with ``disk_bytes``).
 - :class:`LRUIndex`: every value on its own, least recently used evicted first (what ``dense``
   and ``vllm-reachable`` replay with).
 - :class:`BoundaryIndex`: the unit is a *boundary set*: the keys one hit length ``X`` needs in
@@ -33,7 +35,7 @@ from __future__ import annotations
 import collections
 import heapq
 import itertools
-from typing import Dict, Iterable, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
 Put = Tuple[str, int, str]  # (key, bytes, group kind)
 
@@ -114,6 +116,11 @@ class PrefixOrder:
                 reads[key] = reads.get(key, 0) + 1
                 self.rank(key, max(stamp, entry[1]), -entry[2], max(worth, worths.get(key, 1.0)))
 
+    def standing(self, key: str) -> Tuple[int, int, float]:
+        """A ranked key's ``(stamp, depth, worth)``: what another order ranks it with."""
+        entry = self._live[key]
+        return entry[1], -entry[2], self._worth.get(key, 1.0)
+
     def forget(self, key: str) -> None:
         del self._live[key]
         self._reads.pop(key, None)
@@ -126,6 +133,11 @@ class PrefixOrder:
     def pop(self, skip=None) -> Optional[str]:
         """Take the lowest ranked key (passing over those ``skip(key)`` is true for, which keep
         their rank) and raise the clock to its level; None when none is left."""
+        popped = self.pop_standing(skip)
+        return None if popped is None else popped[0]
+
+    def pop_standing(self, skip=None) -> Optional[Tuple[str, int, int, float]]:
+        """:meth:`pop`, with the key's :meth:`standing`: ``(key, stamp, depth, worth)``."""
         heap, live, passed = self._heap, self._live, []
         try:
             while heap:
@@ -137,8 +149,9 @@ class PrefixOrder:
                     passed.append(item)
                     continue
                 self.clock = max(self.clock, item[0])
+                popped = (key, *self.standing(key))
                 self.forget(key)
-                return key
+                return popped
             return None
         finally:
             for item in passed:
@@ -258,12 +271,19 @@ class PrefixIndex(_Counters):
         super().__init__(capacity_bytes)
         self.order = PrefixOrder(value_weight)
         self._entries: Dict[str, Tuple[int, str]] = {}
+        # Called as on_evict(key, bytes, kind, stamp, depth, worth) for each evicted value (a
+        # tier below that takes what this one evicts: TieredIndex's spill).
+        self.on_evict: Optional[Callable[[str, int, str, int, int, float], None]] = None
 
     def __contains__(self, key: str) -> bool:
         return key in self._entries
 
     def __len__(self) -> int:
         return len(self._entries)
+
+    def value(self, key: str) -> Tuple[int, str]:
+        """A resident key's (bytes, kind)."""
+        return self._entries[key]
 
     def stamp(self) -> int:
         return self.order.stamp()
@@ -287,10 +307,13 @@ class PrefixIndex(_Counters):
                 self.rejected += 1
                 continue
             while self.used + nbytes > self.capacity_bytes:
-                size, old_kind = entries.pop(order.pop())
+                old, *standing = order.pop_standing()
+                size, old_kind = entries.pop(old)
                 self.used -= size
                 by_kind[old_kind] -= size
                 self.evictions += 1
+                if self.on_evict is not None:
+                    self.on_evict(old, size, old_kind, *standing)
             entries[key] = (nbytes, kind)
             order.rank(key, stamp, depth, worth)
             self.used += nbytes
@@ -299,6 +322,102 @@ class PrefixIndex(_Counters):
             self.values_written += 1
         self.bytes_written += written
         return written
+
+
+DISK_POLICIES = ("write-through", "spill")
+
+
+class TieredIndex:
+    """Host memory over a local disk, each a :class:`PrefixIndex` of its own capacity: a key is
+    present when either tier holds it, and a load of a key only the disk holds reads it back
+    into memory (where it is resident again, evicting as memory does). The disk admits by
+    ``policy`` (:data:`DISK_POLICIES`):
+
+    - ``write-through``: every value memory stores is written to disk at once, so the disk holds
+      what memory does as far as its capacity lets it, and what was saved outlives a restart
+      that empties memory.
+    - ``spill``: a value goes to disk only when memory evicts it and the disk does not hold it:
+      fewer disk writes, but a restart that empties memory loses what only memory held.
+
+    Both tiers rank a key with the stamp, depth and worth its requests give it, each on its own
+    clock; stamps and worths come from the memory tier's order (:attr:`order`), as without a
+    disk. A save writes into memory what memory lacks, as memory alone would (the engine has
+    the value at hand, where the disk's copy would have to be read). ``bytes_written`` counts
+    the saves (read-backs from disk are not saves); the disk's writes are
+    ``disk.bytes_written``, its reads ``disk_bytes_read``."""
+
+    def __init__(self, memory_bytes: int, disk_bytes: int, policy: str = "write-through",
+                 value_weight: float = PrefixOrder.VALUE_WEIGHT) -> None:
+        if policy not in DISK_POLICIES:
+            raise ValueError(f"disk policy {policy!r}: use one of {', '.join(DISK_POLICIES)}")
+        self.policy = policy
+        self.memory = PrefixIndex(memory_bytes, value_weight)
+        self.disk = PrefixIndex(disk_bytes, value_weight)
+        self.order = self.memory.order
+        self.bytes_written = 0
+        self.values_written = 0
+        self.disk_bytes_read = 0
+        self.loads_from_disk = 0  # loads that read at least one value from disk
+        if policy == "spill":
+            self.memory.on_evict = self._spill
+
+    @property
+    def used(self) -> int:
+        return self.memory.used
+
+    @property
+    def evictions(self) -> int:
+        return self.memory.evictions
+
+    def resident(self) -> Dict[str, int]:
+        return self.memory.resident()
+
+    def stamp(self) -> int:
+        return self.memory.stamp()
+
+    def exists(self, keys: Sequence[str]) -> List[bool]:
+        memory, disk = self.memory, self.disk
+        return [k in memory or k in disk for k in keys]
+
+    def touch(self, keys: Iterable[str], stamp: int, worth: float = 1.0) -> None:
+        """A load read ``keys``: from memory where it holds them, else from disk, each read
+        back into memory with the disk's standing of it and counted as read there."""
+        memory, disk = self.memory, self.disk
+        keys = list(keys)
+        # Memory's keys are raised first, so that the read-backs evict other keys before them.
+        memory.touch(keys, stamp, worth)
+        disk.touch(keys, stamp, worth)
+        # Taken before any is put: a spill the read-backs cause must not evict one still to read.
+        reads = [(key, *disk.value(key), *disk.order.standing(key)) for key in keys
+                 if key not in memory and key in disk]
+        for key, nbytes, kind, key_stamp, depth, key_worth in reads:
+            memory.put_many([(key, nbytes, kind, key_stamp, depth)], key_worth)
+            memory.touch([key], stamp, worth)
+            self.disk_bytes_read += nbytes
+        if reads:
+            self.loads_from_disk += 1
+
+    def put_many(self, puts: Iterable[Tuple[str, int, str, int, int]], worth: float = 1.0) -> int:
+        """Save each (key, bytes, kind, stamp, depth) of one request of ``worth`` into memory,
+        and with ``write-through`` each value memory stores onto disk too (unless the disk holds
+        it); the bytes saved into memory."""
+        memory, disk = self.memory, self.disk
+        values = memory.values_written
+        if self.policy == "spill":
+            written = memory.put_many(puts, worth)
+        else:  # each value as memory stores it: what memory skips was written through before
+            written = 0
+            for put in puts:
+                stored = memory.values_written
+                written += memory.put_many([put], worth)
+                if memory.values_written > stored:
+                    disk.put_many([put], worth)
+        self.bytes_written += written
+        self.values_written += memory.values_written - values
+        return written
+
+    def _spill(self, key: str, nbytes: int, kind: str, stamp: int, depth: int, worth: float) -> None:
+        self.disk.put_many([(key, nbytes, kind, stamp, depth)], worth)
 
 
 class Ghost:

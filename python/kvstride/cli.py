@@ -76,22 +76,30 @@ def _writable_path(suffix: Optional[str] = None):
     return parse
 
 
-def _capacities(text: str) -> List[int]:
-    """``--capacity``: sizes such as 256G or 1T (binary units), comma-separated, each > 0."""
+def _positive_size(text: str, example: str) -> int:
+    """A size such as 256G or 4TiB (binary units), > 0."""
     from kvstride.trace import parse_size
 
-    out = []
-    for item in (t.strip() for t in text.split(",") if t.strip()):
-        try:
-            size = parse_size(item)
-        except ValueError:
-            size = None
-        if size is None or size <= 0:
-            raise argparse.ArgumentTypeError(f"{item!r}: give a size > 0 such as 256G or 1T")
-        out.append(size)
+    try:
+        size = parse_size(text)
+    except (ValueError, OverflowError):  # not a number; inf
+        size = None
+    if size is None or size <= 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: give a size > 0 such as {example}")
+    return size
+
+
+def _capacities(text: str) -> List[int]:
+    """``--capacity``: sizes such as 256G or 1T (binary units), comma-separated, each > 0."""
+    out = [_positive_size(item, "256G or 1T") for item in (t.strip() for t in text.split(",") if t.strip())]
     if not out:
         raise argparse.ArgumentTypeError(f"{text!r}: give sizes such as 256G,1T")
     return out
+
+
+def _disk_size(text: str) -> int:
+    """``--disk-bytes``: one size > 0."""
+    return _positive_size(text, "4T or 512G")
 
 
 def _checkpoints(text: str) -> str:
@@ -349,6 +357,7 @@ def simulate_trace(args) -> int:
     """``simulate --trace FILE``: replay a Mooncake-format trace per policy x capacity."""
     import json
 
+    from kvstride.capacity import DISK_POLICIES
     from kvstride.simulate import DEFAULT_TRACE_CAPACITIES, plot_trace, print_trace_table, run_trace
 
     model = args.model
@@ -362,6 +371,8 @@ def simulate_trace(args) -> int:
             policies=[policy] if policy != "all" else None,
             progress=not args.json and not args.quiet,
             limit=args.limit,
+            disk_bytes=args.disk_bytes or 0,
+            disk_policies=DISK_POLICIES if args.disk_policy in (None, "both") else [args.disk_policy],
             hedge_tokens=args.hedge_tokens,
             checkpoints=args.checkpoints,
             retention_interval=args.retention_interval,
@@ -712,6 +723,20 @@ def build_parser() -> argparse.ArgumentParser:
         help="with --trace, --checkpoints hedge: the last boundary this many tokens before the prompt end",
     )
     sim.add_argument(
+        "--disk-bytes",
+        type=_disk_size,
+        metavar="SIZE",
+        help="with --trace, policy kvstride: also replay each capacity as host memory over a local disk of "
+        "SIZE, e.g. 4T (binary units): hit rate and the disk's bytes written and read per request",
+    )
+    sim.add_argument(
+        "--disk-policy",
+        choices=("write-through", "spill", "both"),
+        default=None,
+        help="with --disk-bytes: write-through (every value memory stores is written to disk at once), spill (a value "
+        "goes to disk when memory evicts it) or both (default)",
+    )
+    sim.add_argument(
         "--decode-states",
         action="store_true",
         help="with --trace: model a vLLM that hands off the state at each request's decode end, so a "
@@ -789,7 +814,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
 #: ``simulate`` options that only the trace replay reads, and those only the chat workload reads.
 TRACE_ONLY = ("capacity", "policy", "limit", "checkpoints", "retention_interval", "value_weight", "hedge_tokens",
-              "decode_states")
+              "decode_states", "disk_bytes", "disk_policy")
 WORKLOAD_ONLY = ("store", "conversations", "turns", "batch", "system_tokens", "user_tokens", "reply_tokens",
                  "token_bytes", "state_bytes", "store_mb", "fault_every", "chunk_tokens", "load_timing")
 
@@ -825,6 +850,12 @@ def _run(parser: argparse.ArgumentParser, args) -> int:
         mismatch = _mode_mismatch(parser.simulate_parser, args)
         if mismatch:
             parser.error(mismatch)
+        if args.disk_policy and not args.disk_bytes:
+            parser.error("--disk-policy: only read with --disk-bytes SIZE (a disk below memory); add it or leave "
+                         "--disk-policy out")
+        if args.disk_bytes and args.policy not in (None, "kvstride"):
+            parser.error(f"--disk-bytes: the disk tier is modelled below the kvstride policy's memory only; use "
+                         f"--policy kvstride (not {args.policy}) or leave --disk-bytes out")
     if args.model and (args.preset or args.groups):
         parser.error("--model gives the geometry: leave out --preset and --groups, or --model")
     try:

@@ -539,16 +539,22 @@ DEFAULT_TRACE_CAPACITIES = ("256G", "1T", "4T", "16T")
 
 
 def run_trace(path: str, *, model: Optional[str] = None, capacities=DEFAULT_TRACE_CAPACITIES,
-              policies=None, progress: bool = False, limit: Optional[int] = None, **kwargs) -> List[dict]:
+              policies=None, progress: bool = False, limit: Optional[int] = None, disk_bytes=0,
+              **kwargs) -> List[dict]:
     """Replay a Mooncake-format trace (``kvstride.trace``) for each policy x capacity: one
     result dict each (policy, model, capacity_bytes, requests, prompt_tokens, hit_tokens,
-    token_hit_rate, bytes_written, bytes_written_per_request, resident_bytes_by_kind ...)."""
+    token_hit_rate, bytes_written, bytes_written_per_request, resident_bytes_by_kind ...).
+    With ``disk_bytes`` (kvstride only), each capacity is followed by that memory over a disk,
+    one result per disk policy (``disk_policies``, default both; disk_policy,
+    disk_bytes_written_per_request, disk_bytes_read_per_request ...)."""
     from kvstride import trace as tr
 
     requests = tr.read_trace(path, limit=limit)
     geometry = tr.load_model(model or tr.DEFAULT_MODEL)
     caps = [c if isinstance(c, int) else tr.parse_size(c) for c in capacities]
-    return tr.replay(requests, geometry, caps, list(policies or tr.POLICIES), progress=progress, **kwargs)
+    disk = disk_bytes if isinstance(disk_bytes, int) else tr.parse_size(disk_bytes)
+    return tr.replay(requests, geometry, caps, list(policies or tr.POLICIES), progress=progress, disk_bytes=disk,
+                     **kwargs)
 
 
 def print_trace_table(results: List[dict], out=None) -> None:
@@ -558,18 +564,41 @@ def print_trace_table(results: List[dict], out=None) -> None:
     first = results[0]
     print(f"model {first['model']}  ({first['groups']}, S={first['S']} H={first['H']})  "
           f"{first['requests']} requests, {first['prompt_tokens']} prompt tokens", file=out)
-    dense = {r["capacity_bytes"]: r for r in results if r["policy"] == "dense"}
+    memory_alone = [r for r in results if not r["disk_bytes"]]
+    dense = {r["capacity_bytes"]: r for r in memory_alone if r["policy"] == "dense"}
     header = f"{'policy':<15} {'capacity':>8} {'hit rate':>9} {'vs dense':>9} {'GiB written/req':>15} {'vs dense':>9}  resident by kind (GiB)"
     print(header, file=out)
-    for r in results:
+    for r in memory_alone:
         d = dense.get(r["capacity_bytes"])
         hit_ratio = f"{r['token_hit_rate'] / d['token_hit_rate']:.2f}x" if d and d["token_hit_rate"] else "-"
         wr_ratio = f"{r['bytes_written'] / d['bytes_written']:.2f}x" if d and d["bytes_written"] else "-"
         resident = ", ".join(f"{k} {v / 2**30:.0f}" for k, v in r["resident_bytes_by_kind"].items())
         print(f"{r['policy']:<15} {r['capacity']:>8} {r['token_hit_rate']:>9.1%} {hit_ratio:>9} "
               f"{r['bytes_written_per_request'] / 2**30:>15.3f} {wr_ratio:>9}  {resident}", file=out)
+    if len(memory_alone) < len(results):
+        _print_disk_table(results, out)
     bad = sum(r["unservable_hits"] for r in results)
     print(f"hits every group could not serve: {bad}", file=out)
+
+
+def _print_disk_table(results: List[dict], out) -> None:
+    """Per policy and memory capacity: the hit rate of memory alone, and per disk policy that
+    of memory over the disk with the disk's GiB written and read per request."""
+    tiered = [r for r in results if r["disk_bytes"]]
+    disk_policies = list(dict.fromkeys(r["disk_policy"] for r in tiered))
+    by_tier = {(r["policy"], r["capacity_bytes"], r["disk_policy"]): r for r in tiered}
+    print(f"\nwith a {tiered[0]['disk']} disk below memory (disk GiB written / read per request):", file=out)
+    print(f"{'policy':<15} {'memory':>8} {'alone':>7}"
+          + "".join(f"  | {p:>13} {'written':>8} {'read':>7}" for p in disk_policies), file=out)
+    for r in results:
+        if r["disk_bytes"]:
+            continue
+        row = f"{r['policy']:<15} {r['capacity']:>8} {r['token_hit_rate']:>7.1%}"
+        for p in disk_policies:
+            d = by_tier[(r["policy"], r["capacity_bytes"], p)]
+            row += (f"  | {d['token_hit_rate']:>13.1%} {d['disk_bytes_written_per_request'] / 2**30:>8.3f} "
+                    f"{d['disk_bytes_read_per_request'] / 2**30:>7.3f}")
+        print(row, file=out)
 
 
 def _capacity_label(gib: float) -> str:
@@ -586,10 +615,13 @@ def plot_trace(results: List[dict], path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    def label(r: dict) -> str:
+        return f"{r['policy']} + {r['disk']} disk, {r['disk_policy']}" if r["disk_bytes"] else r["policy"]
+
     fig, ax = plt.subplots(figsize=(7, 4))
-    for policy in dict.fromkeys(r["policy"] for r in results):
-        rows = sorted((r["capacity_bytes"], r["token_hit_rate"]) for r in results if r["policy"] == policy)
-        ax.plot([c / (1 << 30) for c, _ in rows], [h * 100 for _, h in rows], "o-", label=policy)
+    for line in dict.fromkeys(label(r) for r in results):
+        rows = sorted((r["capacity_bytes"], r["token_hit_rate"]) for r in results if label(r) == line)
+        ax.plot([c / (1 << 30) for c, _ in rows], [h * 100 for _, h in rows], "o-", label=line)
     ax.set_xscale("log", base=2)
     ax.xaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda gib, _: _capacity_label(gib)))
     ax.set_xlabel("store capacity")

@@ -45,6 +45,12 @@ Policies:
   first; a request's stamp and worth are taken at its lookup, and its hit's keys and its saves
   take them, as the connector's loads and saves do.
 
+A disk tier (``disk_bytes``, ``--disk-bytes``): the ``kvstride`` policy's memory over a local
+disk (:class:`kvstride.capacity.TieredIndex`), written through (every value memory stores is
+written to disk at once) or spilled to (a value goes to disk when memory evicts it), the disk
+evicting in its own ``PrefixOrder``. A lookup hits over what either tier holds, and a hit's values only the
+disk holds are read back into memory; the result counts the disk's bytes written and read.
+
 Not in ``all``: ``kvstride-admission`` (kvstride's admission with a per-value LRU) and
 ``kvstride-boundary-sets`` (the same admission with :class:`kvstride.capacity.BoundaryIndex`:
 reference-counted boundary sets, lowest priority first: recency, reuse, prefill tokens saved
@@ -74,7 +80,16 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import numpy as np
 
 from kvstride import _core
-from kvstride.capacity import BoundaryIndex, Ghost, LRUIndex, PrefixIndex, PrefixOrder, prefill_per_byte
+from kvstride.capacity import (
+    DISK_POLICIES,
+    BoundaryIndex,
+    Ghost,
+    LRUIndex,
+    PrefixIndex,
+    PrefixOrder,
+    TieredIndex,
+    prefill_per_byte,
+)
 
 TRACE_BLOCK = 512
 VOCAB = 150_000
@@ -263,6 +278,10 @@ class ReplayConfig:
     # kvstride: how much a request's prefill saved per byte counts against recency in the
     # eviction order (PrefixOrder's value_weight; 0: recency and reads alone).
     value_weight: float = PrefixOrder.VALUE_WEIGHT
+    # kvstride: a local disk of this many bytes below the memory of ``capacity_bytes`` (0: none),
+    # admitting by ``disk_policy`` (kvstride.capacity.TieredIndex: write-through or spill).
+    disk_bytes: int = 0
+    disk_policy: str = "write-through"
     check_servable: bool = True
     progress: bool = False
     # Called as on_hit(replay, index, hashes, hit) for every reported hit (tests check it
@@ -380,6 +399,9 @@ class TraceReplay:
     def run(self, trace: Sequence[TraceRequest], cfg: ReplayConfig) -> dict:
         if cfg.policy not in POLICIES + EXTRA_POLICIES:
             raise ValueError(f"policy {cfg.policy!r}: use one of {', '.join(POLICIES + EXTRA_POLICIES)} or all")
+        if cfg.disk_bytes < 0 or (cfg.disk_bytes and cfg.policy != "kvstride"):
+            raise ValueError(f"disk_bytes={cfg.disk_bytes} with policy {cfg.policy!r}: give bytes >= 0; a disk tier "
+                             "is modelled below the kvstride policy's memory (the embedded store) only")
         # The trie's "touched" marks are per run (what this run's index ever held).
         self.trie.touched = [False] * len(self.trie.touched)
         planner, trie, a, s, h = self.planner, self.trie, self.a, self.s, self.h
@@ -388,6 +410,8 @@ class TraceReplay:
         prefix_index = cfg.policy == "kvstride"
         if boundary_index:
             index = BoundaryIndex(cfg.capacity_bytes)
+        elif cfg.disk_bytes:
+            index = TieredIndex(cfg.capacity_bytes, cfg.disk_bytes, cfg.disk_policy, cfg.value_weight)
         else:
             index = PrefixIndex(cfg.capacity_bytes, cfg.value_weight) if prefix_index else LRUIndex(cfg.capacity_bytes)
         self.ghost = index.ghost if boundary_index else Ghost()
@@ -402,7 +426,8 @@ class TraceReplay:
             try:
                 from tqdm import tqdm
 
-                progress = tqdm(total=len(trace), desc=f"{cfg.policy} @ {_bytes_text(cfg.capacity_bytes)}",
+                disk = f" + {_bytes_text(cfg.disk_bytes)} disk, {cfg.disk_policy}" if cfg.disk_bytes else ""
+                progress = tqdm(total=len(trace), desc=f"{cfg.policy} @ {_bytes_text(cfg.capacity_bytes)}{disk}",
                                 unit="req", file=sys.stderr, leave=False)
             except ImportError:
                 progress = None
@@ -460,6 +485,9 @@ class TraceReplay:
         seconds = time.perf_counter() - started
         requests = stats["requests"]
         resident = index.resident()
+        tiered = isinstance(index, TieredIndex)
+        disk_written = index.disk.bytes_written if tiered else 0
+        disk_read = index.disk_bytes_read if tiered else 0
         return {
             "policy": cfg.policy,
             "model": self.model.name,
@@ -482,6 +510,16 @@ class TraceReplay:
             "resident_bytes_by_kind": resident,
             "truncated_inputs": stats["truncated_inputs"],
             "decode_checkpoints": stats["decode_checkpoints"],
+            "disk_bytes": cfg.disk_bytes,
+            "disk": _bytes_text(cfg.disk_bytes) if cfg.disk_bytes else None,
+            "disk_policy": cfg.disk_policy if cfg.disk_bytes else None,
+            "disk_bytes_written": disk_written,
+            "disk_bytes_written_per_request": disk_written / requests if requests else 0.0,
+            "disk_bytes_read": disk_read,
+            "disk_bytes_read_per_request": disk_read / requests if requests else 0.0,
+            "disk_resident_bytes": index.disk.used if tiered else 0,
+            "disk_evictions": index.disk.evictions if tiered else 0,
+            "loads_from_disk": index.loads_from_disk if tiered else 0,
             "seconds": seconds,
         }
 
@@ -633,10 +671,15 @@ class TraceReplay:
 
 def replay(trace: Sequence[TraceRequest], model: ModelGeometry, capacities: Sequence[int],
            policies: Sequence[str], *, progress: bool = False, algo: str = "sha256_cbor", seed: int = 0,
-           **kwargs) -> List[dict]:
+           disk_bytes: int = 0, disk_policies: Sequence[str] = DISK_POLICIES, **kwargs) -> List[dict]:
+    """One result per policy x capacity; with ``disk_bytes``, each followed by one per disk
+    policy, that memory over a disk of ``disk_bytes``."""
     rp = TraceReplay(model, algo=algo, seed=seed)
+    tiers = [{}] + [dict(disk_bytes=disk_bytes, disk_policy=p) for p in disk_policies if disk_bytes]
     out = []
     for policy in policies:
         for cap in capacities:
-            out.append(rp.run(trace, ReplayConfig(model, cap, policy, algo=algo, seed=seed, progress=progress, **kwargs)))
+            for tier in tiers:
+                out.append(rp.run(trace, ReplayConfig(model, cap, policy, algo=algo, seed=seed, progress=progress,
+                                                      **tier, **kwargs)))
     return out
