@@ -297,3 +297,36 @@ def test_a_vanished_folder_at_run_time_keeps_the_open_files(tmp_path):
         index.close()
     with pytest.raises(ValueError, match="is not a folder"):
         check_disk_folder(folder, 1 << 20)
+
+
+def test_the_embedded_store_reads_back_from_disk_and_never_a_changed_record(tmp_path):
+    """EmbeddedStore with a disk tier (what ``kvstride simulate --disk-path`` runs): a block
+    memory forgot loads from its record bit for bit; after a byte of the record changed, the
+    same load is a miss and the destination block is left as it was."""
+    from kvstride.stores import EmbeddedStore
+
+    kv = _kv()
+    layout = KVLayout(kv, [["attn"]])
+    store = EmbeddedStore(1 << 20, fingerprint=FINGERPRINT, disk_path=str(tmp_path), disk_bytes=1 << 20)
+    try:
+        store.bind_layout(layout)
+        want = kv["attn"][2].clone()
+        assert store.save_blocks(["k"], [0], [2]) == [Status.OK]
+        store.clear()  # memory forgets; the disk keeps it
+        assert store.exists(["k"]) == [True]
+        kv["attn"][5].zero_()
+        assert store.load_blocks(["k"], [0], [5]) == [Status.OK]
+        assert torch.equal(kv["attn"][5], want)
+        store.clear()
+        (path,) = [p for p in os.listdir(tmp_path) if p.endswith(".records")]
+        with open(tmp_path / path, "r+b") as f:
+            f.seek(100)
+            byte = f.read(1)
+            f.seek(100)
+            f.write(bytes([byte[0] ^ 1]))
+        kv["attn"][6].zero_()
+        assert store.load_blocks(["k"], [0], [6]) == [Status.MISSING]
+        assert not kv["attn"][6].any() and store.exists(["k"]) == [False]  # forgotten
+        assert store.disk_counters()["disk_records_rejected"] == 1
+    finally:
+        store.close()

@@ -151,3 +151,35 @@ def test_version(capsys):
     with pytest.raises(SystemExit) as done:
         cli.main(["--version"])
     assert done.value.code == 0 and capsys.readouterr().out.strip() == f"kvstride {version('kvstride')}"
+
+
+def test_the_embedded_store_over_a_disk_tier_hits_what_memory_evicted_and_again_next_run(capsys, tmp_path):
+    """1 MiB of memory holds about half the conversations' values: the disk tier below it serves
+    the rest (every loaded byte verified), and a second run on the same folder, a new store,
+    hits from the records the first one left."""
+    base = ["simulate", "--preset", "glm-ring", "--store-mb", "1", "--conversations", "8", "--turns", "3", "--json"]
+    disk = ["--disk-path", str(tmp_path), "--disk-bytes", "256M"]
+    results = []
+    for extra in ([], disk, disk):
+        assert cli.main([*base, *extra]) == 0
+        results.append(json.loads(capsys.readouterr().out))
+    memory_alone, first, second = results
+    assert all(r["verified"] and r["wrong_bytes"] == 0 for r in results)
+    assert first["hit_rate"] > memory_alone["hit_rate"] and first["disk"]["disk_bytes_read"] > 0
+    assert first["disk"]["disk_bytes_written"] > 0 and not first["disk"].get("disk_records_rejected")
+    assert second["hit_rate"] > first["hit_rate"]  # its first turns hit too: the records outlived the first store
+
+
+@pytest.mark.parametrize("extra,says", [
+    (["--disk-bytes", "1G"], "--disk-bytes and --disk-path go together"),
+    (["--disk-bytes", "1G", "--disk-path", "{tmp}/missing"], "is not a folder"),
+    (["--store", "mooncake", "--disk-bytes", "1G", "--disk-path", "{tmp}"], "the disk tier is the embedded store's"),
+])
+def test_disk_options_of_the_workload_are_one_line_and_exit_2(capsys, tmp_path, extra, says):
+    argv = ["simulate", "--preset", "llama", "--quiet", *(a.format(tmp=tmp_path) for a in extra)]
+    try:
+        code = cli.main(argv)
+    except SystemExit as done:
+        code = done.code
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and says in err and len(err.splitlines()) == 1, err

@@ -216,9 +216,10 @@ def test_bad_disk_input_is_one_line_and_exit_2(tmp_path, capsys, argv, option, f
     assert captured.out == ""
 
 
-def test_disk_options_need_trace(capsys):
+def test_the_disk_policy_needs_trace(capsys, tmp_path):
+    """Without --trace the embedded store's disk tier is written through: no policy to choose."""
     try:
-        code = main(["simulate", "--disk-bytes", "4T"])
+        code = main(["simulate", "--disk-bytes", "4T", "--disk-path", str(tmp_path), "--disk-policy", "spill"])
     except SystemExit as done:
         code = done.code
-    assert code == 2 and "--disk-bytes: only read by --trace FILE" in capsys.readouterr().err
+    assert code == 2 and "--disk-policy: only read by --trace FILE" in capsys.readouterr().err

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import sys
 from typing import List, Optional, Sequence
 
@@ -100,6 +101,15 @@ def _capacities(text: str) -> List[int]:
 def _disk_size(text: str) -> int:
     """``--disk-bytes``: one size > 0."""
     return _positive_size(text, "4T or 512G")
+
+
+def _disk_folder(text: str) -> str:
+    """``--disk-path``: an existing folder this process may write."""
+    if not os.path.isdir(text):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a folder: create it (mkdir -p {text}) or give another")
+    if not os.access(text, os.W_OK | os.X_OK):
+        raise argparse.ArgumentTypeError(f"{text!r} is not writable by this process")
+    return text
 
 
 def _checkpoints(text: str) -> str:
@@ -329,6 +339,8 @@ def simulate(mix: Mix, args) -> int:
         state_bytes=args.state_bytes,
         store=args.store,
         store_bytes=store_mb << 20,
+        disk_path=args.disk_path,
+        disk_bytes=args.disk_bytes or 0,
         algo=args.algo,
         seed=int(args.seed),
         dcp=args.dcp,
@@ -726,9 +738,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--disk-bytes",
         type=_disk_size,
         metavar="SIZE",
-        help="with --trace, policy kvstride: also replay each capacity as host memory over a local disk of "
-        "SIZE, e.g. 4T (binary units): hit rate and the disk's bytes written and read per request",
+        help="a local disk of SIZE below the store's memory, e.g. 4T (binary units): with --trace, policy kvstride, "
+        "each capacity is also replayed over it (hit rate, disk bytes written and read per request); without, "
+        "the embedded store writes through to records in --disk-path",
     )
+    sim.add_argument("--disk-path", type=_disk_folder, metavar="DIR",
+                     help="with --disk-bytes (not --trace): the embedded store's disk tier's folder (its records "
+                     "and index stay there, and a later run on it hits them)")
     sim.add_argument(
         "--disk-policy",
         choices=("write-through", "spill", "both"),
@@ -814,9 +830,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
 #: ``simulate`` options that only the trace replay reads, and those only the chat workload reads.
 TRACE_ONLY = ("capacity", "policy", "limit", "checkpoints", "retention_interval", "value_weight", "hedge_tokens",
-              "decode_states", "disk_bytes", "disk_policy")
+              "decode_states", "disk_policy")
 WORKLOAD_ONLY = ("store", "conversations", "turns", "batch", "system_tokens", "user_tokens", "reply_tokens",
-                 "token_bytes", "state_bytes", "store_mb", "fault_every", "chunk_tokens", "load_timing")
+                 "token_bytes", "state_bytes", "store_mb", "fault_every", "chunk_tokens", "load_timing", "disk_path")
 
 
 #: What Mooncake's client prints at every start, explained once by the commands that start one.
@@ -850,6 +866,11 @@ def _run(parser: argparse.ArgumentParser, args) -> int:
         mismatch = _mode_mismatch(parser.simulate_parser, args)
         if mismatch:
             parser.error(mismatch)
+        if not getattr(args, "trace", None) and (args.disk_path is None) != (args.disk_bytes is None):
+            parser.error("--disk-bytes and --disk-path go together without --trace (the embedded store's disk tier: "
+                         "a folder and its size), e.g. --disk-path /nvme/kvstride --disk-bytes 64G")
+        if getattr(args, "disk_path", None) and args.store != "embedded":
+            parser.error(f"--disk-path: the disk tier is the embedded store's; use --store embedded (not {args.store})")
         if args.disk_policy and not args.disk_bytes:
             parser.error("--disk-policy: only read with --disk-bytes SIZE (a disk below memory); add it or leave "
                          "--disk-policy out")

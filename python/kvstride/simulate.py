@@ -46,6 +46,9 @@ class SimConfig:
     state_bytes: int = 16384  # bytes of one Mamba state
     store: str = "embedded"
     store_bytes: int = 1 << 30
+    # The embedded store's disk tier: a folder and its records' bytes (None / 0: none).
+    disk_path: Optional[str] = None
+    disk_bytes: int = 0
     algo: str = "sha256_cbor"
     seed: int = 0
     dcp: int = 1
@@ -214,7 +217,9 @@ class Simulation:
         cfg = self.cfg
         fp = self.cache.layout.fingerprint()
         if cfg.store == "embedded":
-            return EmbeddedStore(cfg.store_bytes, fingerprint=fp)
+            return EmbeddedStore(cfg.store_bytes, fingerprint=fp, disk_path=cfg.disk_path, disk_bytes=cfg.disk_bytes)
+        if cfg.disk_path is not None:
+            raise ValueError("--disk-path: the disk tier is the embedded store's; use --store embedded")
         if cfg.store == "mooncake":
             self.master = start_master()
             return MooncakeStore(self.master, segment_bytes=cfg.store_bytes, local_hostname=self.master.host, fingerprint=fp)
@@ -473,6 +478,7 @@ class Simulation:
                 for op in ("lookup", "put", "get")
             },
             "outcomes": outcomes,
+            "disk": self.store.disk_counters() if isinstance(self.store, EmbeddedStore) else {},
             "faults": dict(self.faults),
             "seconds": seconds,
             "history": self.history,
@@ -491,6 +497,11 @@ def print_table(result: dict, out=None) -> None:
         ("stored", f"{result['bytes_stored'] / 1e6:.1f} MB at {result['put_gbps']:.2f} GB/s"),
         ("loaded", f"{result['bytes_loaded'] / 1e6:.1f} MB at {result['get_gbps']:.2f} GB/s"),
     ]
+    disk = result.get("disk") or {}
+    if disk:
+        rows.append(("disk tier", f"{disk.get('disk_bytes_written', 0) / 1e6:.1f} MB written, "
+                                  f"{disk.get('disk_bytes_read', 0) / 1e6:.1f} MB read, "
+                                  f"{disk.get('disk_records_rejected', 0)} records rejected"))
     for op, lat in result["latency_ms"].items():
         rows.append((f"{op} p50 / p99", f"{lat['p50']:.2f} / {lat['p99']:.2f} ms"))
     for name, count in result["outcomes"].items():

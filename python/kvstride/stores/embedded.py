@@ -29,7 +29,12 @@ class EmbeddedStore(KVStore):
 
     Verified reads keep each value's XXH3-64 next to its slot (computed while the copy is in
     cache) and check it before a byte leaves the slot; a mismatch is ``CORRUPT`` and the value
-    is dropped. A slot a load is reading is never evicted or reused until that load ends."""
+    is dropped. A slot a load is reading is never evicted or reused until that load ends.
+
+    ``disk_path`` and ``disk_bytes``: the disk tier the vLLM connector has (``kvstride.arena.disk``),
+    for blocks of a bound layout: every block stored is written through to a record, a block
+    memory evicted loads from its record (read into a slot on the caller's thread, verified),
+    and the records and their index outlive the store."""
 
     def __init__(
         self,
@@ -38,8 +43,19 @@ class EmbeddedStore(KVStore):
         fingerprint: bytes = b"\0" * 8,
         verify: bool = True,
         slot_bytes: Optional[int] = None,
+        disk_path: Optional[str] = None,
+        disk_bytes: int = 0,
     ) -> None:
         super().__init__(fingerprint, verify)
+        if (disk_path is None) != (not disk_bytes):
+            raise ValueError("EmbeddedStore takes disk_path and disk_bytes together (a folder and its records' bytes)")
+        from kvstride.arena.disk import check_disk_folder, existing_records_bytes  # kvstride.arena imports stores
+
+        self._disk_path = None if disk_path is None else check_disk_folder(disk_path, int(disk_bytes),
+                                                                            existing_records_bytes(disk_path))
+        self._disk_bytes = int(disk_bytes)
+        self.disk = None  # kvstride.arena.disk.DiskRecords, once a layout is bound
+        self._disk_index = None  # kvstride.arena.disk_index.DiskIndex
         if capacity_bytes <= 0:
             raise ValueError(f"EmbeddedStore capacity_bytes must be positive, got {capacity_bytes}")
         if slot_bytes is not None and not 0 < slot_bytes <= capacity_bytes:
@@ -76,13 +92,35 @@ class EmbeddedStore(KVStore):
     def _allocate(self, layout=None) -> bool:
         """(under the lock) Allocate the arena once its slot size is known."""
         from kvstride.arena import HostArena, SlotIndex, slots_for
+        from kvstride.arena.disk import DISK_ALIGN, DiskRecords, DiskSpec, record_bytes
+        from kvstride.arena.disk_index import DiskIndex
 
         if layout is None and self._slot_bytes is None:
             return False
         slot = self._slot_bytes or max(g.block_bytes for g in layout.groups)
-        count = slots_for(self.capacity, slot)
-        self.arena = HostArena(layout, count, slot_bytes=slot)
+        if self._disk_path is None:
+            count = slots_for(self.capacity, slot)
+            self.arena = HostArena(layout, count, slot_bytes=slot)
+            self._index = SlotIndex(count)
+            return True
+        if layout is None:
+            raise ValueError("EmbeddedStore's disk tier stores blocks: bind a layout (an OffloadEngine does)")
+        payload, record = record_bytes(slot)
+        count = slots_for(self.capacity, payload)
+        self.arena = HostArena(layout, count, slot_bytes=payload, align=DISK_ALIGN)
         self._index = SlotIndex(count)
+        records = self._disk_bytes // record
+        if records < 1:
+            raise ValueError(f"disk_bytes={self._disk_bytes} holds no record of {record} bytes; give at least {record}")
+        spec = DiskSpec(self._disk_path, records, payload, rank=0, ranks=1, fingerprint=self.fingerprint)
+        self._disk_index = DiskIndex(records, self._disk_path, {
+            "record_bytes": record, "ranks": 1, "fingerprint": self.fingerprint.hex(),
+            "geometry": bytes(layout.fingerprint()).hex()})
+        try:
+            self.disk = DiskRecords(spec, self.arena, layout.fingerprint())
+        except BaseException:
+            self._disk_index.close()
+            raise
         return True
 
     @property
@@ -118,7 +156,12 @@ class EmbeddedStore(KVStore):
             if self._closed:
                 self._note("exists", Status.UNAVAILABLE, len(keys), "store closed")
                 return [False] * len(keys)
-            return [False] * len(keys) if self._index is None else self._index.exists(keys)
+            if self._index is None:
+                return [False] * len(keys)
+            present = self._index.exists(keys)
+            if self._disk_index is not None:
+                present = [p or self._disk_index.ready_key(k) for p, k in zip(present, keys)]
+            return present
 
     def _begin_writes(self, op: str, keys: list, todo: list, out: list) -> list:
         """(under the lock) Slots for the keys at ``todo`` not stored yet: present keys are OK
@@ -285,7 +328,57 @@ class EmbeddedStore(KVStore):
             "put", keys, writes, out,
             lambda slots, rows: self.arena.save(slots, groups[rows], block_ids[rows], digest=self.verify),
         )
+        self._write_through([keys[i] for i, _ in writes if out[i] is Status.OK])
         return self._finish("put", keys, out, first)
+
+    def _write_through(self, keys: list) -> None:
+        """The disk tier's copy of ``keys`` just stored (their slots held while it is written)."""
+        if self.disk is None or not keys:
+            return
+        with self._lock:
+            disk, index = self._disk_index, self._index
+            todo = [k for k in dict.fromkeys(keys) if index.ready_key(k) and not disk.ready_key(k) and not disk.writing(k)]
+            slots = index.hold(todo) or []
+            records = disk.reserve(todo)
+        written = [record is not None and self.disk.write(slot, record, key)
+                   for key, slot, record in zip(todo, slots, records)]
+        with self._lock:
+            self._disk_index.confirm([k for k, ok in zip(todo, written) if ok])
+            self._disk_index.abandon([k for k, r, ok in zip(todo, records, written) if r is not None and not ok])
+            self._index.unpin(slots)
+            self._disk_index.flush()
+
+    def _read_from_disk(self, keys: list, groups) -> None:
+        """Keys only the disk tier holds: read into fresh slots (verified), readable in memory
+        again; a record that fails its check is forgotten."""
+        if self.disk is None:
+            return
+        with self._lock:
+            disk, index = self._disk_index, self._index
+            wanted = {}
+            for key, group in zip(keys, groups):
+                if key not in wanted and not index.ready_key(key) and not index.writing(key) and disk.ready_key(key):
+                    wanted[key] = int(group)
+            if not wanted:
+                return
+            names = list(wanted)
+            # The load's keys in memory are held while room is made for the others.
+            resident = index.hold([k for k in dict.fromkeys(keys) if index.ready_key(k)]) or []
+            records = disk.hold(names)
+            slots = index.reserve(names)
+            index.unpin(resident)
+        read = [slot is not None and self.disk.read(record, slot, key, wanted[key])
+                for key, record, slot in zip(names, records, slots)]
+        with self._lock:
+            self._index.confirm([k for k, ok in zip(names, read) if ok])
+            self._index.abandon([k for k, slot, ok in zip(names, slots, read) if slot is not None and not ok])
+            self._disk_index.unpin(records)
+            self._disk_index.drop_slots([r for r, slot, ok in zip(records, slots, read) if slot is not None and not ok])
+            self._disk_index.flush()
+
+    def disk_counters(self) -> dict:
+        """The disk tier's bytes written and read and its rejected records (none without one)."""
+        return {} if self.disk is None else dict(self.disk.counters)
 
     def load_blocks(self, keys, groups, block_ids) -> list:
         """Load ``keys[i]`` into block ``block_ids[i]`` of group ``groups[i]``: one copy from
@@ -297,6 +390,8 @@ class EmbeddedStore(KVStore):
             if self.arena is not None and self.arena.layout is None and not self._closed:
                 self._note("get", Status.INVALID, 0, "no layout bound")
                 return self._finish("get", keys, [Status.INVALID] * len(keys), {})
+        self._read_from_disk(keys, groups)
+        with self._lock:
             reads = self._pin(keys, list(range(len(keys))), out)  # pins count per destination
         if reads:
             groups, block_ids = np.asarray(groups), np.asarray(block_ids)
@@ -337,9 +432,12 @@ class EmbeddedStore(KVStore):
 
     def close(self) -> None:
         with self._lock:
-            self._closed = True
+            already, self._closed = self._closed, True
             if self._index is not None:
                 self._index.drop_slots(self._index.ready_slots())
+        if not already and self.disk is not None:  # the records and their index stay for the next store
+            self.disk.close()
+            self._disk_index.close()
 
 
 # ---- Mooncake master --------------------------------------------------------------------
