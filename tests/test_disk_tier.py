@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from kvstride.arena import ArenaPlacement, ArenaSlots
-from kvstride.arena.disk import DiskSpec, check_disk_folder, record_bytes
+from kvstride.arena.disk import DISK_ALIGN, DiskSpec, check_disk_folder, record_bytes
 from kvstride.arena.disk_index import DiskIndex
 from kvstride.layout import KVLayout
 from kvstride.stores import Status
@@ -94,8 +94,8 @@ def _flip(offset_of):
 
 @pytest.mark.parametrize("where", ["payload", "header"])
 def test_a_changed_byte_on_disk_is_a_miss(tmp_path, where):
-    at = {"payload": lambda spec: 3 * spec.record_bytes + 100,
-          "header": lambda spec: 3 * spec.record_bytes + spec.payload_bytes + 20}[where]
+    at = {"payload": lambda spec: 3 * spec.record_bytes + DISK_ALIGN + 100,
+          "header": lambda spec: 3 * spec.record_bytes + 20}[where]
     (ok, bad), counters = _record_then(tmp_path, _flip(at))
     assert (ok, bad) == (False, [3]) and counters == {"disk_records_rejected": 1, "disk_bytes_read": 36864}
 
@@ -104,7 +104,7 @@ def test_a_torn_write_is_a_miss(tmp_path):
     """The payload's second half never reached the disk (zeros where it was)."""
     def tear(spec):
         with open(spec.file, "r+b") as f:
-            f.seek(3 * spec.record_bytes + spec.payload_bytes // 2)
+            f.seek(3 * spec.record_bytes + DISK_ALIGN + spec.payload_bytes // 2)
             f.write(bytes(spec.payload_bytes // 2))
     (ok, bad), _ = _record_then(tmp_path, tear)
     assert (ok, bad) == (False, [3])
@@ -320,9 +320,9 @@ def test_the_embedded_store_reads_back_from_disk_and_never_a_changed_record(tmp_
         store.clear()
         (path,) = [p for p in os.listdir(tmp_path) if p.endswith(".records")]
         with open(tmp_path / path, "r+b") as f:
-            f.seek(100)
+            f.seek(DISK_ALIGN + 100)  # in the payload
             byte = f.read(1)
-            f.seek(100)
+            f.seek(DISK_ALIGN + 100)
             f.write(bytes([byte[0] ^ 1]))
         kv["attn"][6].zero_()
         assert store.load_blocks(["k"], [0], [6]) == [Status.MISSING]

@@ -2,8 +2,8 @@
 records per TP rank, written from and read into the rank's arena slots (the scheduler's
 :class:`kvstride.arena.disk_index.DiskIndex` decides which record holds which key).
 
-A record is the slot's bytes (its payload region, a multiple of ``DISK_ALIGN``) followed by
-one ``DISK_ALIGN`` block holding kvstride's 64-byte value header (:mod:`kvstride.stores.base`:
+A record is one ``DISK_ALIGN`` block holding kvstride's 64-byte value header, then the slot's
+bytes (its payload region, a multiple of ``DISK_ALIGN``) (:mod:`kvstride.stores.base`'s header:
 the configuration's and the geometry's fingerprint with the model's identity in the key, the
 key's digest, the length, the XXH3 digest or, with a deployment secret, the keyed payload tag
 and the MAC). Both go out in one ``pwritev`` and come back in one ``preadv`` (the GIL released
@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import errno
+import glob
 import logging
 import os
 import shutil
@@ -57,8 +58,6 @@ def record_bytes(slot_bytes: int) -> Tuple[int, int]:
 
 def existing_records_bytes(path: str) -> int:
     """Bytes the disk tier's record files in ``path`` take already (0 when there are none)."""
-    import glob
-
     return sum(os.path.getsize(f) for f in glob.glob(os.path.join(os.path.expanduser(str(path)), DATA_GLOB)))
 
 
@@ -182,7 +181,7 @@ class DiskRecords:
         header[:] = 0
         header[:HEADER_BYTES] = np.frombuffer(self.headers._make_header(key, parts, digest), dtype=np.uint8)
         try:
-            os.pwritev(self.fd, [self._slot_view(slot), memoryview(header)], self._offset(record))
+            os.pwritev(self.fd, [memoryview(header), self._slot_view(slot)], self._offset(record))
         except OSError as err:
             self._count("disk_write_errors")
             log.warning("kvstride: a disk-tier write failed (%s); the value stays in memory only", err.strerror)
@@ -195,7 +194,7 @@ class DiskRecords:
         the slot then loads as a saved one."""
         header = _aligned(DISK_ALIGN)
         try:
-            got = os.preadv(self.fd, [self._slot_view(slot), memoryview(header)], self._offset(record))
+            got = os.preadv(self.fd, [memoryview(header), self._slot_view(slot)], self._offset(record))
         except OSError as err:
             self._count("disk_read_errors")
             log.warning("kvstride: a disk-tier read failed (%s); the request recomputes", err.strerror)
@@ -204,7 +203,7 @@ class DiskRecords:
         if not 0 <= group < len(self.arena.block_bytes):
             return False
         parts = self._value_parts(slot, group)
-        why = "short record" if got < self.spec.record_bytes - self.spec.payload_bytes + self.arena.slot_bytes else ""
+        why = "short record" if got < DISK_ALIGN + self.arena.slot_bytes else ""
         why = why or self.headers._check(key, header[:HEADER_BYTES], parts)
         if why:
             self._count("disk_records_rejected")
