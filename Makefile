@@ -7,6 +7,10 @@ PY     := $(VENV)/bin/python
 # CUDA build), whatever PIP_FIND_LINKS the environment brings (its links are kept, after it).
 TORCH_WHEELS ?= ../shared/wheels
 export PIP_FIND_LINKS := $(strip $(abspath $(TORCH_WHEELS)) $(PIP_FIND_LINKS))
+# Without that folder, PyTorch's index of CPU builds (a +cpu build outranks PyPI's of the same version).
+ifeq ($(wildcard $(TORCH_WHEELS)/torch-*.whl),)
+export PIP_EXTRA_INDEX_URL := $(strip https://download.pytorch.org/whl/cpu $(PIP_EXTRA_INDEX_URL))
+endif
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
 # The simulate demo's (embedded store: no Mooncake, no system packages); the tests add Mooncake.
