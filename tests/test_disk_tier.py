@@ -343,3 +343,33 @@ def test_the_embedded_store_reads_back_from_disk_and_never_a_changed_record(tmp_
         assert store.disk_counters()["disk_records_rejected"] == 1
     finally:
         store.close()
+
+
+def test_a_file_system_without_direct_io_goes_through_the_page_cache(tmp_path, monkeypatch):
+    """Where ``open(O_DIRECT)`` is refused (EINVAL: tmpfs before Linux 6.6, some overlay file
+    systems), the records are written and read through the page cache, as reliably."""
+    import errno
+
+    import kvstride.arena.disk as disk_module
+
+    real_open = os.open
+
+    def no_direct(path, flags, *args):
+        if flags & os.O_DIRECT:
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real_open(path, flags, *args)
+
+    monkeypatch.setattr(disk_module.os, "open", no_direct)
+    kv = _kv()
+    slots = _slots(tmp_path, kv)
+    try:
+        assert slots.disk.records.direct is False
+        want = kv["attn"][4].clone()
+        slots.save_blocks([0], [0], [4])
+        slots.disk.write(1, [(0, 2, "key-a")])
+        assert _wait(slots.disk) == ({1: True}, {})
+        slots.disk.read("r", [(2, 1, "key-a", 0)])
+        assert _wait(slots.disk) == ({}, {"r": (True, [])})
+        assert slots.load_blocks([1], [0], [8]) == [Status.OK] and torch.equal(kv["attn"][8], want)
+    finally:
+        slots.close()
