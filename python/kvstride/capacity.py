@@ -83,6 +83,10 @@ class PrefixOrder:
         """A stamp newer than every one given so far."""
         return next(self._stamps)
 
+    def stamps_after(self, stamp: int) -> None:
+        """New stamps are newer than ``stamp`` (keys ranked from a saved order)."""
+        self._stamps = itertools.count(int(stamp) + 1)
+
     def worth(self, value: float) -> float:
         """The worth of a request whose hit saves ``value`` prefill tokens per byte
         (:func:`prefill_per_byte`): ``1 + value_weight x value / mean value``, the mean over

@@ -11,7 +11,6 @@ row whose record was torn or overwritten is a miss, never wrong bytes.
 from __future__ import annotations
 
 import fcntl
-import itertools
 import json
 import logging
 import os
@@ -83,15 +82,13 @@ class DiskIndex(SlotIndex):
             self.order.rank(key, stamp, depth, worth)
             newest = max(newest, stamp)
         self._free = [s for s in range(self.num_slots - 1, -1, -1) if s not in used]
-        self.order._stamps = itertools.count(newest + 1)  # new writes rank after every restored one
+        self.order.stamps_after(newest)  # new writes rank after every restored one
         return len(self._ready)
 
     # SlotIndex's hooks: every readable key that comes or goes is a row to write or delete.
     def _readied(self, keys: Sequence[str]) -> None:
-        live, worths = self.order._live, self.order._worth
         for key in keys:
-            _, stamp, neg_depth, _ = live[key]
-            self._pending[key] = (key, self._ready[key], stamp, -neg_depth, worths.get(key, 1.0))
+            self._pending[key] = (key, self._ready[key], *self.order.standing(key))
 
     def _dropped(self, key: str) -> None:
         self._pending[key] = ()

@@ -216,6 +216,10 @@ class SlotIndex:
     def ready_key(self, key: str) -> bool:
         return key in self._ready
 
+    def pending_rank(self, key: str) -> Optional[Tuple[int, int, float]]:
+        """The ``(stamp, depth, worth)`` a key being written will be ranked with (``reserve``)."""
+        return self._pending_ranks.get(key)
+
     def writing(self, key: str) -> bool:
         return key in self._writing
 
@@ -316,7 +320,7 @@ class ArenaPlacement:
         if not ok:
             self.index.abandon(keys)
             return
-        ranks = {key: self.index._pending_ranks.get(key) for key in keys}
+        ranks = {key: self.index.pending_rank(key) for key in keys}
         self.index.confirm(keys)
         if self.disk is not None:
             self._write_through([key for key in keys if self.index.ready_key(key)], ranks)
@@ -326,9 +330,9 @@ class ArenaPlacement:
         keys = [key for key in keys if not disk.ready_key(key) and not disk.writing(key)]
         if not keys:
             return
+        # The disk's own recency (its order outlives the arena's), the arena's depth and worth.
         stamp = disk.stamp()
-        ranked = {key: (stamp, rank[1], rank[2]) for key, rank in ranks.items() if rank is not None and len(rank) == 3}
-        records = disk.reserve(keys, {key: ranked.get(key, (stamp, 0, 1.0)) for key in keys})
+        records = disk.reserve(keys, {key: (stamp, *(ranks.get(key) or (0, 0, 1.0))[1:]) for key in keys})
         for key, record in zip(keys, records):
             if record is None:  # every record pinned or being written: this one stays in memory only
                 continue
