@@ -12,6 +12,7 @@ from __future__ import annotations
 import glob
 import json
 import os
+import select
 import signal
 import subprocess
 import sys
@@ -218,10 +219,14 @@ def test_an_engine_killed_during_heavy_writes_leaves_no_wrong_byte(model_dirs, t
     try:
         deadline = time.monotonic() + 300
         lines = 0
-        for line in proc.stdout:  # killed in the middle of its second round of fillers
-            lines += line.startswith("filler")
-            if lines >= len(fillers) + 5 or time.monotonic() > deadline:
+        while lines < len(fillers) + 5:  # killed in the middle of its second round of fillers
+            left = deadline - time.monotonic()
+            if left <= 0 or not select.select([proc.stdout], [], [], left)[0]:
                 break
+            line = proc.stdout.readline()
+            if not line:  # it exited
+                break
+            lines += line.startswith("filler")
         assert lines >= len(fillers) + 5, log_path.read_text()[-3000:]
     finally:
         os.killpg(proc.pid, signal.SIGKILL)
