@@ -16,10 +16,14 @@ Use it with::
   ``mp``, ``vllm serve``, TP), within one engine. ``"mooncake"`` is a Mooncake store shared by
   engines and restarts, configured like vLLM's MooncakeStoreConnector (``MOONCAKE_CONFIG_PATH``;
   ``mooncake_*`` keys override it; ``kvstride store serve`` runs a long-lived one);
+- ``disk_path`` and ``disk_bytes``: the embedded store's disk tier (``kvstride.arena.disk``), every
+  value written through to a record file per rank, read back when memory evicted it, and kept
+  for the next engine on the folder;
 - ``staging_bytes`` (Mooncake staging, default: what eight full steps can save), ``model_id`` (the key namespace's
   model part, default the model path), ``cache_prefix``, ``secret_file`` (the deployment key);
 - ``load_timeout_s`` (default 10): past it a load is reported failed and its request recomputes;
   ``lookup_timeout_s`` (default 1): how long a lookup waits for a shared store before it misses;
+  ``staging_wait_s`` (default 4): how long a step waits in all for Mooncake staging room;
 - ``admission``: ``"kvstride"`` (default) stores a window group's blocks only for the tails of
   boundaries a later lookup can hit at, under vLLM's ``prefix_cache_retention_interval``
   (SEMANTICS §8); ``"dense"`` stores them all.
