@@ -346,7 +346,7 @@ def test_the_embedded_store_reads_back_from_disk_and_never_a_changed_record(tmp_
 
 
 def test_a_file_system_without_direct_io_goes_through_the_page_cache(tmp_path, monkeypatch):
-    """Where ``open(O_DIRECT)`` is refused (EINVAL: tmpfs before Linux 6.6, some overlay file
+    """Where ``open(O_DIRECT)`` is refused (EINVAL: tmpfs on older kernels, some overlay file
     systems), the records are written and read through the page cache, as reliably."""
     import errno
 
