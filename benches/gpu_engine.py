@@ -27,6 +27,7 @@ import numpy as np
 import torch
 
 import kvstride
+import kvstride.arena.device
 from kvstride.arena import ArenaSlots
 from kvstride.engine import OffloadEngine
 from kvstride.layout import KVLayout
@@ -83,6 +84,8 @@ def run(name: str, args, device) -> bool:
     entries = [(g, 1 + b) for g in stored for b in range(saved_blocks)]
     store = ArenaSlots(2 * len(entries), copier=None if device.type == "cuda" else "device")
     engine = OffloadEngine(planner, layout, store)
+    if args.programs:
+        store.arena._device.programs = args.programs
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     try:
         arena_bytes = 2 * len(entries) * max(layout.groups[g].block_bytes for g in stored)
@@ -93,13 +96,13 @@ def run(name: str, args, device) -> bool:
         d2h = median_time(lambda: host.copy_(src, non_blocking=True), args.reps, sync)
         h2d = median_time(lambda: src.copy_(host, non_blocking=True), args.reps, sync)
         other = torch.empty_like(src)
-        other_host = torch.empty_like(host)
+        other_host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=device.type == "cuda")
+        streams = (torch.cuda.Stream(device), torch.cuda.Stream(device)) if device.type == "cuda" else None
 
         def raw_both():
-            if device.type != "cuda":
+            if streams is None:
                 host.copy_(src), other.copy_(other_host)
                 return
-            streams = torch.cuda.Stream(device), torch.cuda.Stream(device)
             with torch.cuda.stream(streams[0]):
                 host.copy_(src, non_blocking=True)
             with torch.cuda.stream(streams[1]):
@@ -147,6 +150,12 @@ def run(name: str, args, device) -> bool:
             assert done.jobs_done.get(job[0]) == "ok" and "both" in done.loads_done and not done.loads_failed
 
         both_s = median_time(both, args.reps, sync)
+        # Where the engine's time goes: the copies alone (no digests) and the digests alone.
+        arena = store.arena
+        slots, groups, blocks = (np.array(column) for column in zip(*saves))
+        kernel_save_s = median_time(lambda: arena.save(slots, groups, blocks, digest=False), args.reps, sync)
+        kernel_load_s = median_time(lambda: arena.load(slots, groups, blocks + offset, verify=False), args.reps, sync)
+        digest_s = median_time(lambda: arena._digest(slots, groups), args.reps, sync)
     finally:
         engine.shutdown()
     ratios = {"save": d2h / save_s, "load": h2d / load_s, "both": both_raw / both_s}
@@ -158,6 +167,9 @@ def run(name: str, args, device) -> bool:
     print(f"| engine save | {gbs(save_s):.1f} | {ratios['save']:.2f} |")
     print(f"| engine load | {gbs(load_s):.1f} | {ratios['load']:.2f} |")
     print(f"| engine save and load at once | {gbs(both_s, 2):.1f} | {ratios['both']:.2f} |")
+    print(f"| copies alone, save (no digests) | {gbs(kernel_save_s):.1f} | {d2h / kernel_save_s:.2f} |")
+    print(f"| copies alone, load (no digests) | {gbs(kernel_load_s):.1f} | {h2d / kernel_load_s:.2f} |")
+    print(f"| digests alone (XXH3 of the slots, host) | {gbs(digest_s):.1f} | |")
     print(f"\nsubmit_planned held its caller {hold * 1e3:.2f} ms for the save; wrong bytes: {wrong}")
     ok = wrong == 0
     if device.type == "cuda":
@@ -172,13 +184,16 @@ def main() -> int:
     ap.add_argument("--requests", type=int, default=4)
     ap.add_argument("--tokens", type=int, default=4096)
     ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--programs", type=int, default=0, help="programs of the copy kernels (default: the arena's)")
     args = ap.parse_args()
     if args.requests <= 0 or args.tokens <= 0 or args.reps <= 0:
         print("gpu_engine.py: --requests, --tokens and --reps must be positive", file=sys.stderr)
         return 2
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     label = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU (smoke run: no goals checked)"
-    print(f"device: {label}; torch {torch.__version__}; {args.requests} requests x {args.tokens} tokens a save")
+    programs = args.programs or kvstride.arena.device.COPY_PROGRAMS
+    print(f"device: {label}; torch {torch.__version__}; {args.requests} requests x {args.tokens} tokens a save; "
+          f"copy kernels of {programs} programs")
     names = ["llama8b", "hybrid", "mla", "fp8"] if args.geometry == "all" else [args.geometry]
     results = {name: run(name, args, device) for name in names}
     failed = [name for name, ok in results.items() if not ok]

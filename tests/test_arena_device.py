@@ -7,13 +7,13 @@ The CUDA tests at the end (ordering against the caller's stream) run wherever CU
 
 from __future__ import annotations
 
+import os
 import numpy as np
 import pytest
 import torch
 
 import kvdata
 from kvstride.arena import HostArena
-from kvstride.arena.device import slot_runs
 from kvstride.layout import KVLayout
 
 
@@ -89,9 +89,67 @@ def _blocks(kv, groups, grps, blocks) -> list:
     return out
 
 
-def test_slot_runs():
-    assert slot_runs(np.array([3, 4, 5, 9, 11, 12])) == [(0, 3, 3), (3, 9, 1), (4, 11, 2)]
-    assert slot_runs(np.array([], dtype=np.int64)) == []
+KERNELS_ON_CPU = r"""
+import numpy as np, torch
+import kvdata
+from test_arena_device import LAYOUTS, _blocks, _entries
+from kvstride.arena import HostArena
+from kvstride.arena.device import DeviceCopier, copy_rows
+from kvstride.layout import KVLayout
+
+src = torch.arange(16384, dtype=torch.int32).view(torch.uint8)
+# Rows in elements: one longer than a tile, one short, one of a single element.
+at, into, count = (np.array(x, dtype=np.uint64) for x in ([0, 3000, 64], [100, 0, 3100], [2500, 7, 1]))
+for unit in (8, 4, 2, 1):
+    dst = torch.zeros_like(src)
+    base_src, base_dst = np.uint64(src.data_ptr()), np.uint64(dst.data_ptr())
+    copy_rows(base_src + at * np.uint64(unit), base_dst + into * np.uint64(unit), count * np.uint64(unit),
+              kernel_on=torch.device("cpu"), programs=2)
+    want = torch.zeros_like(src)
+    for a, b, n in zip(at * unit, into * unit, count * unit):
+        want[int(b):int(b + n)] = src[int(a):int(a + n)]
+    assert torch.equal(dst, want), unit
+
+for name, make in LAYOUTS.items():
+    kv, groups = make()
+    layout = KVLayout(kv, groups)
+    kvdata.fill_random(layout.storages, seed=1)
+    regions, arena = HostArena(layout, 48, copier="regions"), HostArena(layout, 48, copier="regions")
+    copier = DeviceCopier(layout, arena.buffer, arena.slot_bytes, arena._pieces, chunk_bytes=3 * arena.slot_bytes,
+                          programs=5, kernels=True)
+    slots, grps, blocks = _entries(layout, 10, seed=2)
+    assert [len(part) for part, _ in copier.save(slots, grps, blocks)] == [1, 3, 3, 2, 1]  # at most 3, the last ones smaller
+    regions.save(slots, grps, blocks)
+    assert torch.equal(arena.buffer, regions.buffer), name
+    saved = _blocks(kv, groups, grps, blocks)
+    for t in layout.storages:
+        t.zero_()
+    copied, _ = copier.load(slots, grps, blocks, check=lambda part: part % 4 != 1)
+    assert (copied == (np.arange(10) % 4 != 1)).all(), name
+    got = _blocks(kv, groups, grps, blocks)
+    assert got != saved
+    for t in layout.storages:
+        t.zero_()
+    copier.load(slots, grps, blocks, check=lambda part: np.ones(len(part), dtype=bool))
+    assert _blocks(kv, groups, grps, blocks) == saved, name
+print("ok")
+"""
+
+
+def test_the_copy_kernels_move_every_byte_and_nothing_else():
+    """The CUDA copy kernels themselves, run by Triton's interpreter on CPU memory (the
+    addresses are host addresses there): rows of each element width, longer and shorter than
+    a tile; the arena's saves and loads through them on every layout, chunked, byte for byte
+    what the region copier writes, entries that fail their check left unwritten."""
+    import subprocess
+    import sys
+
+    pytest.importorskip("triton")
+    if torch.cuda.is_available():
+        pytest.skip("the kernels run on the GPU in the CUDA tests (older Tritons cannot interpret them)")
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join([os.path.dirname(__file__), os.environ.get("PYTHONPATH", "")]))
+    done = subprocess.run([sys.executable, "-c", KERNELS_ON_CPU], env=env, capture_output=True, text=True, timeout=600)
+    assert done.stdout.strip() == "ok", done.stderr[-3000:]
 
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -107,10 +165,11 @@ def test_cuda_a_block_rewritten_right_after_its_save_is_saved_as_it_was():
     kv = {k: v.cuda() for k, v in kv.items()}
     arena = HostArena(KVLayout(kv, groups), 64)
     blocks, zeros = np.arange(64), np.zeros(64, dtype=np.int64)
-    done = arena._device.save(blocks, zeros, blocks)
+    chunks = arena._device.save(blocks, zeros, blocks)
     for t in kv.values():
         t.zero_()  # queued on the caller's stream right behind the save
-    done.synchronize()
+    for _, done in chunks:
+        done.synchronize()
     regions = HostArena(KVLayout(on_host, groups), 64, copier="regions")
     regions.save(blocks, zeros, blocks)
     assert torch.equal(arena.buffer, regions.buffer)

@@ -1,131 +1,297 @@
 """The arena's device data path: blocks of KV tensors on a device (CUDA) to and from the arena's
-pinned host slots, at the host link's speed.
+pinned host slots, at the host link's speed, with few launches from the caller's thread.
 
-A save gathers the blocks' pieces on the device into a staging buffer laid out as the slots are
-(each block's pieces back to back, in slot order), then copies it to the pinned slots in as few
-copies as the slots allow: one per run of consecutive slots. A load is the reverse: the slots'
-runs to device staging, then each piece scattered into its destination blocks. The gathers and
-the copies run on a side stream that first waits for the work the caller queued on its own
-stream; the caller's stream then waits (on the device, never the host) only for the gathers, so
-later kernels cannot overwrite a block before it was read, and the host-link copy overlaps them.
-Staging is bounded (``STAGE_BYTES`` a chunk): a save larger than that goes chunk by chunk, each
-chunk's gather after the previous chunk's copy on the same stream.
+Every copy is a table of rows (source address, destination address, length), the same rows the
+Rust region copier takes on CPU (:class:`kvstride.copies.PieceTable`). On CUDA one kernel
+(:func:`copy_rows`, Triton) copies a whole table: the GPU reads and writes pinned host memory
+directly (it is mapped into the device's address space), so a save or a load is one launch per
+chunk whatever its groups, pieces and slots, and the copy runs on a few of the GPU's cores.
 
-The same code runs on CPU tensors (no streams: every copy is done when it returns), which is how
-the CPU test tier checks it; the arena uses it for device tensors only (the Rust region copies
-are faster on CPU).
+A save first gathers its blocks' pieces into device staging laid out as the slots are (at the
+device memory's speed), then drains the staging into the pinned slots. Both run on a side stream
+that first waits for the work the caller queued on its own stream; the caller's stream then waits
+(on the device, never the host) only for the gathers, so later kernels cannot overwrite a block
+before it was read, and the host-link copy overlaps them. A load copies its slots straight into
+the destination blocks. Work goes in chunks of ``CHUNK_BYTES``: each chunk's event lets the host
+compute a save's digests while the next chunk copies, and check a load's digests before its
+chunk is copied; staging holds one chunk at most.
+
+The same code runs on CPU tensors, each table executed by the Rust region copier (no streams:
+every copy is done when it returns), which is how the CPU test tier checks it; the arena uses it
+for device tensors only.
 """
 
 from __future__ import annotations
 
-from typing import Callable, Dict, List, Optional, Tuple
+import functools
+from typing import Callable, List, Optional, Tuple
 
 import numpy as np
 import torch
 
-__all__ = ["DeviceCopier", "STAGE_BYTES", "slot_runs"]
+from kvstride import _core
+from kvstride.copies import PieceTable
 
-#: Device staging of one chunk at most: what a save or a load moves between two host-link copies.
-STAGE_BYTES = 256 << 20
+__all__ = ["DeviceCopier", "CHUNK_BYTES", "COPY_PROGRAMS", "access_width", "copy_rows", "launch_copy_rows"]
+
+#: One chunk at most: a save's device staging, and the bytes whose digests are computed (saves)
+#: or checked (loads) while the previous or next chunk copies.
+CHUNK_BYTES = 256 << 20
+
+#: Programs (thread blocks) of the copy kernel: enough to keep the host link busy, few of the
+#: GPU's cores, so that the model's own kernels run beside a copy.
+COPY_PROGRAMS = 32
+
+#: Elements a program copies per step of its loop.
+_TILE = 2048
+
+_ELEMENTS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
-def slot_runs(slots: np.ndarray) -> List[Tuple[int, int, int]]:
-    """``(position, first slot, count)`` of each run of consecutive slots in ``slots`` (in
-    order): one host-link copy each."""
-    if not len(slots):
-        return []
-    breaks = np.flatnonzero(np.diff(slots) != 1) + 1
-    starts = np.concatenate([[0], breaks])
-    ends = np.concatenate([breaks, [len(slots)]])
-    return [(int(a), int(slots[a]), int(b - a)) for a, b in zip(starts, ends)]
+def access_width(*arrays) -> Tuple[int, int]:
+    """``(element bytes, elements per access)`` for copies whose every address, stride and length
+    in ``arrays`` is a multiple of the element: 8-byte elements two at a time where everything
+    is a multiple of 16 bytes (one 16-byte access per thread), else the widest element that
+    divides everything."""
+    bits = int(np.bitwise_or.reduce(np.concatenate([np.asarray(a, dtype=np.uint64).ravel() for a in arrays])))
+    if bits % 16 == 0:
+        return 8, 2
+    return next(width for width in (8, 4, 2, 1) if bits % width == 0), 1
+
+
+@functools.lru_cache(maxsize=None)
+def _kernels():
+    """The Triton copy kernels, compiled on first use (Triton ships with PyTorch's CUDA builds).
+
+    Each program walks work items (one tile of one row or piece each) with a grid stride, so a
+    copy of a few blocks spreads over every program as a large one does. Addresses arrive as
+    integers and become offsets (in ``W``-byte elements) from ``origin``, a pointer argument
+    whose alignment Triton knows: with the ``VEC`` hint each thread then moves 16 bytes per
+    access. Tables are int64 ``(rows, stride)`` arrays, read from column ``first`` on."""
+    import triton
+    import triton.language as tl
+
+    runtime_ints = ["origin_addr", "stride", "first", "count", "tiles", "n_pieces", "n_groups", "pieces_per_entry"]
+
+    @triton.jit(do_not_specialize=runtime_ints[:5])
+    def copy_rows_kernel(origin, origin_addr, table, stride, first, count, tiles,
+                         W: tl.constexpr, VEC: tl.constexpr, TILE: tl.constexpr):
+        # table rows: source addresses, destination addresses, lengths (elements).
+        pid = tl.program_id(0)
+        programs = tl.num_programs(0)
+        for work in range(pid, count * tiles, programs):
+            row = first + work // tiles
+            start = (work % tiles) * TILE
+            length = tl.multiple_of(tl.load(table + 2 * stride + row), VEC)
+            if start < length:
+                src = tl.multiple_of((tl.load(table + row) - origin_addr) // W, VEC)
+                dst = tl.multiple_of((tl.load(table + stride + row) - origin_addr) // W, VEC)
+                offsets = start + tl.arange(0, TILE)
+                inside = offsets < length
+                tl.store(origin + dst + offsets, tl.load(origin + src + offsets, mask=inside), mask=inside)
+
+    @triton.jit(do_not_specialize=runtime_ints)
+    def copy_blocks_kernel(origin, origin_addr, table, stride, first, count, tiles, pieces, n_pieces, groups,
+                           n_groups, pieces_per_entry, TO_SLOTS: tl.constexpr, W: tl.constexpr,
+                           VEC: tl.constexpr, TILE: tl.constexpr):
+        # table rows: group, block id, slot address. pieces rows: address in block 0, block
+        # stride (bytes), size (elements), start in a slot (bytes); groups rows: first piece,
+        # piece count.
+        pid = tl.program_id(0)
+        programs = tl.num_programs(0)
+        per_entry = pieces_per_entry * tiles
+        for work in range(pid, count * per_entry, programs):
+            entry = first + work // per_entry
+            nth = (work % per_entry) // tiles
+            start = (work % tiles) * TILE
+            group = tl.load(table + entry)
+            if nth < tl.load(groups + n_groups + group):
+                piece = tl.load(groups + group) + nth
+                size = tl.multiple_of(tl.load(pieces + 2 * n_pieces + piece), VEC)
+                if start < size:
+                    block = tl.load(table + stride + entry)
+                    kv_addr = tl.load(pieces + piece) + block * tl.load(pieces + n_pieces + piece)
+                    slot_addr = tl.load(table + 2 * stride + entry) + tl.load(pieces + 3 * n_pieces + piece)
+                    kv = tl.multiple_of((kv_addr - origin_addr) // W, VEC)
+                    slot = tl.multiple_of((slot_addr - origin_addr) // W, VEC)
+                    offsets = start + tl.arange(0, TILE)
+                    inside = offsets < size
+                    if TO_SLOTS:
+                        tl.store(origin + slot + offsets, tl.load(origin + kv + offsets, mask=inside), mask=inside)
+                    else:
+                        tl.store(origin + kv + offsets, tl.load(origin + slot + offsets, mask=inside), mask=inside)
+
+    return copy_rows_kernel, copy_blocks_kernel
+
+
+def _on(device: torch.device, array: np.ndarray) -> torch.Tensor:
+    """``array`` as int64 on ``device``, through pinned memory to CUDA: the copy does not wait on
+    the host."""
+    table = torch.from_numpy(np.ascontiguousarray(np.asarray(array).view(np.int64)))
+    return table.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else table
+
+
+def _programs(programs: int, work: int) -> Tuple[int]:
+    return (max(1, min(int(programs), work)),)
+
+
+def copy_rows(src: np.ndarray, dst: np.ndarray, lengths: np.ndarray, kernel_on: Optional[torch.device] = None,
+              programs: int = COPY_PROGRAMS) -> None:
+    """Copy ``lengths[i]`` bytes from address ``src[i]`` to ``dst[i]`` for every row (uint64
+    arrays; rows must not overlap). ``kernel_on`` a device: one kernel on its current stream,
+    any mix of device and pinned host addresses (CUDA; on CPU, Triton's interpreter runs it);
+    None: the Rust region copier, done when it returns."""
+    if not len(src):
+        return
+    if kernel_on is None:
+        _core._copy_regions(src, dst, lengths)
+        return
+    width, vec = access_width(src, dst, lengths)
+    table = _on(kernel_on, np.stack([src, dst, lengths // np.uint64(width)]))
+    launch_copy_rows(table, table, 0, len(src), width, vec, int(lengths.max()) // width, programs)
+
+
+def launch_copy_rows(origin: torch.Tensor, table: torch.Tensor, first: int, count: int, width: int, vec: int,
+                     longest: int, programs: int = COPY_PROGRAMS) -> None:
+    """The rows kernel over columns ``first`` to ``first + count`` of ``table`` (int64, rows:
+    sources, destinations, lengths in ``width``-byte elements, the longest ``longest``), its
+    addresses taken relative to ``origin`` (a tensor on the kernel's device, 16-byte aligned),
+    on the current stream."""
+    copy_rows_kernel, _ = _kernels()
+    tiles = -(-longest // _TILE)
+    copy_rows_kernel[_programs(programs, count * tiles)](
+        origin.view(_ELEMENTS[width]), origin.data_ptr(), table, table.shape[1], first, count, tiles,
+        W=width, VEC=vec, TILE=_TILE)
 
 
 class DeviceCopier:
-    """Copies blocks of ``layout`` between the device and the host buffer ``host`` (uint8, one
-    ``slot_bytes`` slot after another; pinned for CUDA). ``kv_view(group, piece)`` gives a
-    piece's KV view ``(num_blocks, size)`` and ``piece_start(group, piece)`` its offset in a
-    slot."""
+    """Copies blocks between the device KV cache of ``layout`` and the host buffer ``host``
+    (uint8, one ``slot_bytes`` slot after another; pinned for CUDA), a block's pieces back to
+    back in its slot as ``pieces`` places them."""
 
-    def __init__(self, layout, host: torch.Tensor, slot_bytes: int, kv_view: Callable, piece_start: Callable,
-                 stage_bytes: int = STAGE_BYTES) -> None:
+    def __init__(self, layout, host: torch.Tensor, slot_bytes: int, pieces: PieceTable,
+                 chunk_bytes: int = CHUNK_BYTES, programs: int = COPY_PROGRAMS, kernels: Optional[bool] = None) -> None:
         self.layout = layout
         self.host = host
         self.slot_bytes = int(slot_bytes)
         self.device = layout.device or torch.device("cpu")
-        self._kv_view = kv_view
-        self._piece_start = piece_start
-        self._pieces = [len(g.pieces) for g in layout.groups]
-        self.chunk_slots = max(1, int(stage_bytes) // self.slot_bytes)
+        self.pieces = pieces
+        self.block_bytes = np.array([g.block_bytes for g in layout.groups], dtype=np.uint64)
+        self.chunk_slots = max(1, int(chunk_bytes) // self.slot_bytes)
+        self.programs = int(programs)
         self._stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        # The copy kernels (default on CUDA; on CPU under Triton's interpreter, for tests), else
+        # the Rust region copier.
+        self._kernel_on = self.device if (self._stream is not None if kernels is None else kernels) else None
+        self.width, self.vec = 1, 1
+        # A save's gather into device staging stays on the device: every core may take part.
+        self._gather_programs = self.programs
+        if self._stream is not None:
+            self._gather_programs = max(self.programs, 2 * torch.cuda.get_device_properties(self.device).multi_processor_count)
+        if self._kernel_on is not None:
+            # Slots and staging rows start at multiples of slot_bytes from aligned buffers.
+            self.width, self.vec = access_width(pieces.base, pieces.stride, pieces.size, pieces.start,
+                                                self.block_bytes, [host.data_ptr(), slot_bytes, 512])
+            self._piece_table = _on(self.device, np.stack([
+                pieces.base, pieces.stride, pieces.size // np.uint64(self.width), pieces.start]))
+            self._group_table = _on(self.device, np.stack([pieces.first, pieces.count]))
+            self._tiles_per_piece = -(-int(pieces.size.max(initial=1)) // self.width // _TILE)
+
+    def _slot_addresses(self, slots: np.ndarray) -> np.ndarray:
+        return np.uint64(self.host.data_ptr()) + slots.astype(np.uint64) * np.uint64(self.slot_bytes)
+
+    def _chunks(self, count: int, growing: bool) -> List[np.ndarray]:
+        """Positions ``0..count`` cut into chunks of at most ``chunk_slots``: the first ones
+        small and doubling (``growing``: the host's first check waits for nobody), or the last
+        ones (else: the host's last digests trail the last copy by little)."""
+        sizes, size = [], max(1, self.chunk_slots // 8)
+        while count > sum(sizes):
+            sizes.append(min(size, count - sum(sizes)))
+            size = min(2 * size, self.chunk_slots)
+        bounds = np.cumsum([0, *(sizes if growing else sizes[::-1])])
+        return [np.arange(a, b) for a, b in zip(bounds[:-1], bounds[1:])]
+
+    def _table(self, *rows: np.ndarray) -> Optional[torch.Tensor]:
+        """Rows of an op's table on the device, for the kernels (None without them)."""
+        return None if self._kernel_on is None else _on(self._kernel_on, np.stack([r.astype(np.uint64) for r in rows]))
+
+    def _copy_blocks(self, groups: np.ndarray, block_ids: np.ndarray, entries: np.ndarray, part: np.ndarray,
+                     table: Optional[torch.Tensor], to_entries: bool, programs: Optional[int] = None) -> None:
+        """Copy every piece of blocks ``(groups[i], block_ids[i])`` for ``i`` in ``part`` (a
+        contiguous range) to (``to_entries``) or from ``entries[i]``, where their pieces lie
+        back to back: one kernel over those columns of ``table`` (the three arrays on the
+        device), or the Rust region copier."""
+        if not len(part):
+            return
+        if table is None:
+            kv, at, length, _ = self.pieces.rows(groups[part], block_ids[part], entries[part])
+            _core._copy_regions(*((kv, at) if to_entries else (at, kv)), length)
+            return
+        _, copy_blocks_kernel = _kernels()
+        per_entry = int(self.pieces.count[np.unique(groups[part])].max())
+        origin = self._piece_table
+        copy_blocks_kernel[_programs(programs or self.programs, len(part) * per_entry * self._tiles_per_piece)](
+            origin.view(_ELEMENTS[self.width]), origin.data_ptr(), table, table.shape[1], int(part[0]), len(part),
+            self._tiles_per_piece, self._piece_table, self._piece_table.shape[1], self._group_table,
+            self._group_table.shape[1], per_entry, TO_SLOTS=to_entries, W=self.width, VEC=self.vec, TILE=_TILE)
 
     # ---- saves -------------------------------------------------------------------------
 
-    def save(self, slots: np.ndarray, groups: np.ndarray, block_ids: np.ndarray, after=None):
-        """Copy each block into its slot; returns an event (CUDA) that completes when every
-        byte is in the host slots, or None when they are (CPU). ``after``: an event the
+    def save(self, slots: np.ndarray, groups: np.ndarray, block_ids: np.ndarray,
+             after=None) -> List[Tuple[np.ndarray, Optional["torch.cuda.Event"]]]:
+        """Copy each block into its slot, chunk by chunk; returns ``(entries, event)`` per
+        chunk: the positions of its entries and an event (CUDA) that completes when their
+        bytes are in the host slots, or None when they are (CPU). ``after``: an event the
         gathers follow (default: the work queued on the calling thread's current stream)."""
-        order = np.argsort(slots, kind="stable")
-        slots, groups, block_ids = slots[order], groups[order], block_ids[order]
         caller = self._caller_stream()
+        chunks = []
         with self._on_side(caller, after):
-            for lo in range(0, len(slots), self.chunk_slots):
-                hi = min(lo + self.chunk_slots, len(slots))
-                # Zeros: a slot's bytes past its block (a smaller group's) are copied too.
-                staging = torch.zeros((hi - lo, self.slot_bytes), dtype=torch.uint8, device=self.device)
-                self._gather(staging, groups[lo:hi], block_ids[lo:hi])
+            parts = self._chunks(len(slots), growing=False)
+            staging = torch.empty(max(map(len, parts)) * self.slot_bytes, dtype=torch.uint8, device=self.device)
+            # Each entry is staged in the row of its position in its chunk, then drained into its slot.
+            row = np.concatenate([part - part[0] for part in parts]).astype(np.uint64)
+            staged = np.uint64(staging.data_ptr()) + row * np.uint64(self.slot_bytes)
+            into, lengths = self._slot_addresses(slots), self.block_bytes[groups]
+            table = self._table(groups, block_ids, staged, staged, into, lengths // np.uint64(self.width))
+            for part in parts:
+                self._copy_blocks(groups, block_ids, staged, part, table, to_entries=True, programs=self._gather_programs)
                 if caller is not None:  # later kernels on the caller's stream wait for the reads alone
                     gathered = torch.cuda.Event()
                     gathered.record(self._stream)
                     caller.wait_event(gathered)
-                for position, first, count in slot_runs(slots[lo:hi]):
-                    host = self.host[first * self.slot_bytes:(first + count) * self.slot_bytes].view(count, self.slot_bytes)
-                    host.copy_(staging[position:position + count], non_blocking=self._stream is not None)
-            return self._done()
-
-    def _gather(self, staging: torch.Tensor, groups: np.ndarray, block_ids: np.ndarray) -> None:
-        for g, rows, ids in self._by_group(groups, block_ids):
-            for j in range(self._pieces[g]):
-                kv = self._kv_view(g, j)
-                self._staging_piece(staging, g, j, kv.shape[1]).index_copy_(0, rows, kv.index_select(0, ids))
+                if table is None:
+                    copy_rows(staged[part], into[part], lengths[part])
+                else:
+                    launch_copy_rows(self._piece_table, table[3:], int(part[0]), len(part), self.width, self.vec,
+                                     int(lengths[part].max()) // self.width, self.programs)
+                chunks.append((part, self._done()))
+        return chunks
 
     # ---- loads -------------------------------------------------------------------------
 
-    def load(self, slots: np.ndarray, groups: np.ndarray, block_ids: np.ndarray, after=None):
-        """Copy each slot into its destination block; returns an event (CUDA) that completes
+    def load(self, slots: np.ndarray, groups: np.ndarray, block_ids: np.ndarray,
+             check: Callable[[np.ndarray], np.ndarray], after=None) -> Tuple[np.ndarray, Optional["torch.cuda.Event"]]:
+        """Copy each slot into its destination block, chunk by chunk, the entries of a chunk
+        whose ``check(positions)`` is False left out (it runs on the host while the previous
+        chunk copies). Returns which entries were copied and an event (CUDA) that completes
         when every block is written, or None when they are (CPU). ``after``: an event the
         writes follow (default: the work queued on the calling thread's current stream)."""
-        order = np.argsort(slots, kind="stable")
-        slots, groups, block_ids = slots[order], groups[order], block_ids[order]
+        copied = np.zeros(len(slots), dtype=bool)
+        at = self._slot_addresses(slots)
         with self._on_side(self._caller_stream(), after):
-            for lo in range(0, len(slots), self.chunk_slots):
-                hi = min(lo + self.chunk_slots, len(slots))
-                staging = torch.empty((hi - lo, self.slot_bytes), dtype=torch.uint8, device=self.device)
-                for position, first, count in slot_runs(slots[lo:hi]):
-                    host = self.host[first * self.slot_bytes:(first + count) * self.slot_bytes].view(count, self.slot_bytes)
-                    staging[position:position + count].copy_(host, non_blocking=self._stream is not None)
-                for g, rows, ids in self._by_group(groups[lo:hi], block_ids[lo:hi]):
-                    for j in range(self._pieces[g]):
-                        kv = self._kv_view(g, j)
-                        kv.index_copy_(0, ids, self._staging_piece(staging, g, j, kv.shape[1]).index_select(0, rows))
-            return self._done()
+            table = self._table(groups, block_ids, at)
+            for part in self._chunks(len(slots), growing=True):
+                good = check(part)
+                copied[part[good]] = True
+                if good.all():
+                    self._copy_blocks(groups, block_ids, at, part, table, to_entries=False)
+                elif good.any():  # a chunk of its own for the entries that passed
+                    kept = part[good]
+                    self._copy_blocks(groups[kept], block_ids[kept], at[kept], np.arange(len(kept)),
+                                      self._table(groups[kept], block_ids[kept], at[kept]), to_entries=False)
+            return copied, self._done()
 
     # ---- helpers -----------------------------------------------------------------------
-
-    def _by_group(self, groups: np.ndarray, block_ids: np.ndarray):
-        """(group, staging rows, block ids) per group, the index tensors on the device."""
-        out = []
-        for g in np.unique(groups):
-            (rows,) = np.nonzero(groups == g)
-            out.append((
-                int(g),
-                torch.from_numpy(rows.astype(np.int64)).to(self.device, non_blocking=True),
-                torch.from_numpy(block_ids[rows].astype(np.int64)).to(self.device, non_blocking=True),
-            ))
-        return out
-
-    def _staging_piece(self, staging: torch.Tensor, group: int, piece: int, size: int) -> torch.Tensor:
-        """The ``(rows, size)`` view of one piece in every staged slot."""
-        return staging.as_strided((staging.shape[0], size), (self.slot_bytes, 1), self._piece_start(group, piece))
 
     def _caller_stream(self):
         return torch.cuda.current_stream(self.device) if self._stream is not None else None

@@ -6,13 +6,15 @@ load (vLLM recomputes).
 One copy each way: a save copies block pieces from the KV cache straight into the slot, a
 load from the slot straight into the destination blocks (raw region copies in the Rust core,
 GIL released, spread over cores for large batches). Device tensors go through
-:mod:`kvstride.arena.device`: a gather on the device, one host-link copy per run of slots.
+:mod:`kvstride.arena.device`: one copy kernel a chunk, the GPU reading and writing the
+pinned slots itself (a save through device staging, so that the caller waits for the gather
+alone).
 """
 
 from __future__ import annotations
 
 import threading
-from typing import Callable, Dict, List, Optional
+from typing import Callable, List, Optional
 
 import numpy as np
 import torch
@@ -75,7 +77,6 @@ class HostArena:
         self._device: Optional[DeviceCopier] = None  # the "device" copier's
         self._pieces: Optional[PieceTable] = None
         self.block_bytes = np.zeros(0, dtype=np.uint64)
-        self._views: Dict[tuple, torch.Tensor] = {}  # (group, piece) -> its KV view
         if layout is not None:
             self.attach(layout, copier=copier)
 
@@ -94,10 +95,9 @@ class HostArena:
         self.layout, self.copier = layout, copier
         self._pieces = PieceTable(layout)  # a block's pieces fill its slot in order
         self.block_bytes = np.array([g.block_bytes for g in layout.groups], dtype=np.uint64)  # per group
-        self._views = {}
         self._device = None
         if copier == "device":
-            self._device = DeviceCopier(layout, self.buffer, self.slot_bytes, self._kv_view, self._pieces.piece_start)
+            self._device = DeviceCopier(layout, self.buffer, self.slot_bytes, self._pieces)
 
     def _largest_block(self, layout: KVLayout) -> int:
         groups = range(len(layout.groups)) if self.stored_groups is None else self.stored_groups
@@ -137,17 +137,6 @@ class HostArena:
         lengths = np.ascontiguousarray(self.block_bytes[groups])
         return _core._xxh3_64_regions(addrs, lengths)
 
-    # ---- the device path ------------------------------------------------------------------
-
-    def _kv_view(self, group: int, piece: int) -> torch.Tensor:
-        """One piece of every block of ``group`` in the KV cache: ``(num_blocks, size)`` uint8."""
-        key = (group, piece)
-        if key not in self._views:
-            p = self.layout.groups[group].pieces[piece]
-            storage = self.layout.storages[p.storage]
-            self._views[key] = storage.as_strided((self.layout.groups[group].num_blocks, p.size), (p.stride, 1), p.offset)
-        return self._views[key]
-
     # ---- saves and loads ----------------------------------------------------------------
 
     def save(self, slots, groups, block_ids, *, digest: bool = True) -> None:
@@ -172,12 +161,16 @@ class HostArena:
                 _core._copy_regions(kv, slot, length)
                 self._keep(slots, groups, 0)
             return None
-        copied = self._device.save(slots, groups, block_ids)
+        chunks = self._device.save(slots, groups, block_ids)
 
         def finish() -> None:
-            if copied is not None:
-                copied.synchronize()
-            self._keep(slots, groups, self._digest(slots, groups) if digest else 0)
+            digests = np.zeros(len(slots), dtype=np.uint64)
+            for part, copied in chunks:  # each chunk's digests while the next one copies
+                if copied is not None:
+                    copied.synchronize()
+                if digest:
+                    digests[part] = self._digest(slots[part], groups[part])
+            self._keep(slots, groups, digests)
 
         return finish
 
@@ -206,11 +199,14 @@ class HostArena:
                 _core._copy_regions(slot, kv, length)
                 ok[candidates] = True
             return ok
-        good = self._digest(s, g) == self.digests[s] if verify else np.ones(len(s), dtype=bool)
-        if good.any():
-            written = self._device.load(s[good], g[good], b[good])
-            if written is not None:  # the caller is told the blocks are written: they must be
-                written.synchronize()
+        def check(part: np.ndarray) -> np.ndarray:  # a chunk's digests while the previous one copies
+            if not verify:
+                return np.ones(len(part), dtype=bool)
+            return self._digest(s[part], g[part]) == self.digests[s[part]]
+
+        good, written = self._device.load(s, g, b, check)
+        if written is not None:  # the caller is told the blocks are written: they must be
+            written.synchronize()
         ok[candidates] = good
         return ok
 
