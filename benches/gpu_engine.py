@@ -9,7 +9,9 @@ pieces of 32 KiB), ``hybrid`` (full attention + sliding window + Mamba state lis
 ring, 64-token blocks), ``mla`` (one tensor per layer, 576 wide), ``fp8`` (``llama8b`` in
 float8). Per geometry: raw D2H and H2D, the engine's save and load each alone and both at once
 (a save of other blocks while a load runs), each as GB/s and as a ratio of raw (medians of
-``--reps``), and how long ``submit_planned`` held its caller for the save. Every loaded byte is
+``--reps``), and how long ``submit_planned`` held its caller for the save; then, not gated, a
+save and a load whose slots are scattered (the copy kernels move them rather than the copy
+engine), and the copies and the host's digests each alone. Every loaded byte is
 compared on the device with what was saved. Pinned memory: the arena's slots for what is saved.
 
 Exits non-zero on a wrong byte and, on CUDA, when save or load is below 0.9 of raw, both at once
@@ -131,12 +133,16 @@ def run(name: str, args, device) -> bool:
         offset = saved_blocks + 1
         gets = [(slot, g, b + offset) for slot, g, b in saves]
         load_s = median_time(lambda: load(gets), args.reps, sync)
-        wrong = 0
-        for g, b in entries:  # the loaded copies against their sources, on the device
-            for layer in names[g]:
-                for t in kv[layer] if isinstance(kv[layer], list) else [kv[layer]]:
-                    dim = 1 if t.dim() == 5 and t.shape[0] == 2 else 0
-                    wrong += int((t.select(dim, b).view(torch.uint8) != t.select(dim, b + offset).view(torch.uint8)).sum())
+        def wrong_bytes() -> int:  # the loaded copies against their sources, on the device
+            wrong = 0
+            for g, b in entries:
+                for layer in names[g]:
+                    for t in kv[layer] if isinstance(kv[layer], list) else [kv[layer]]:
+                        dim = 1 if t.dim() == 5 and t.shape[0] == 2 else 0
+                        wrong += int((t.select(dim, b).view(torch.uint8) != t.select(dim, b + offset).view(torch.uint8)).sum())
+            return wrong
+
+        wrong = wrong_bytes()
         second = [(len(saves) + i, g, b) for i, (_, g, b) in enumerate(saves)]  # into other slots
 
         def both():
@@ -150,6 +156,16 @@ def run(name: str, args, device) -> bool:
             assert done.jobs_done.get(job[0]) == "ok" and "both" in done.loads_done and not done.loads_failed
 
         both_s = median_time(both, args.reps, sync)
+        # Slots scattered over the arena (no two consecutive): the kernels move them.
+        scattered = [(2 * i + 1, g, b) for i, (_, g, b) in enumerate(saves)]
+        scattered_save_s = median_time(lambda: save(scattered), args.reps, sync)
+        for g in stored:  # zero the destinations: a load that wrote nothing would be seen
+            ids = torch.tensor([b + offset for group, b in entries if group == g], device=device)
+            for layer in names[g]:
+                for t in kv[layer] if isinstance(kv[layer], list) else [kv[layer]]:
+                    t.view(torch.uint8).index_fill_(1 if t.dim() == 5 and t.shape[0] == 2 else 0, ids, 0)
+        scattered_load_s = median_time(lambda: load([(slot, g, b + offset) for slot, g, b in scattered]), args.reps, sync)
+        wrong += wrong_bytes()
         # Where the engine's time goes: the copies alone (no digests) and the digests alone.
         arena = store.arena
         slots, groups, blocks = (np.array(column) for column in zip(*saves))
@@ -167,6 +183,8 @@ def run(name: str, args, device) -> bool:
     print(f"| engine save | {gbs(save_s):.1f} | {ratios['save']:.2f} |")
     print(f"| engine load | {gbs(load_s):.1f} | {ratios['load']:.2f} |")
     print(f"| engine save and load at once | {gbs(both_s, 2):.1f} | {ratios['both']:.2f} |")
+    print(f"| engine save, scattered slots | {gbs(scattered_save_s):.1f} | {d2h / scattered_save_s:.2f} |")
+    print(f"| engine load, scattered slots | {gbs(scattered_load_s):.1f} | {h2d / scattered_load_s:.2f} |")
     print(f"| copies alone, save (no digests) | {gbs(kernel_save_s):.1f} | {d2h / kernel_save_s:.2f} |")
     print(f"| copies alone, load (no digests) | {gbs(kernel_load_s):.1f} | {h2d / kernel_load_s:.2f} |")
     print(f"| digests alone (XXH3 of the slots, host) | {gbs(digest_s):.1f} | |")

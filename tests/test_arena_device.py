@@ -14,6 +14,7 @@ import torch
 
 import kvdata
 from kvstride.arena import HostArena
+from kvstride.arena.device import slot_runs
 from kvstride.layout import KVLayout
 
 
@@ -71,12 +72,18 @@ def test_device_path_matches_the_region_copier_byte_for_byte(name, stage_slots):
     slots, grps, blocks = _entries(layout, 10, seed=2)
     device.save(slots, grps, blocks)
     regions.save(slots, grps, blocks)
-    assert torch.equal(device.buffer, regions.buffer) and (device.digests == regions.digests).all()
+    assert _values(device, slots, grps) == _values(regions, slots, grps) and (device.digests == regions.digests).all()
     saved = _blocks(kv, groups, grps, blocks)
     for t in layout.storages:
         t.zero_()
     assert device.load(slots, grps, blocks).all()
     assert _blocks(kv, groups, grps, blocks) == saved
+
+
+def _values(arena, slots, grps) -> list:
+    """The bytes of each entry's value in its slot (a slot's bytes past its value are undefined)."""
+    return [bytes(arena.buffer[s * arena.slot_bytes:s * arena.slot_bytes + int(arena.block_bytes[g])].numpy())
+            for s, g in zip(slots, grps)]
 
 
 def _blocks(kv, groups, grps, blocks) -> list:
@@ -90,9 +97,10 @@ def _blocks(kv, groups, grps, blocks) -> list:
 
 
 KERNELS_ON_CPU = r"""
+import itertools
 import numpy as np, torch
 import kvdata
-from test_arena_device import LAYOUTS, _blocks, _entries
+from test_arena_device import LAYOUTS, _blocks, _entries, _values
 from kvstride.arena import HostArena
 from kvstride.arena.device import DeviceCopier, copy_rows
 from kvstride.layout import KVLayout
@@ -110,17 +118,17 @@ for unit in (8, 4, 2, 1):
         want[int(b):int(b + n)] = src[int(a):int(a + n)]
     assert torch.equal(dst, want), unit
 
-for name, make in LAYOUTS.items():
+for (name, make), dma_runs in itertools.product(LAYOUTS.items(), (0, 8)):  # scattered slots: kernels only
     kv, groups = make()
     layout = KVLayout(kv, groups)
     kvdata.fill_random(layout.storages, seed=1)
     regions, arena = HostArena(layout, 48, copier="regions"), HostArena(layout, 48, copier="regions")
     copier = DeviceCopier(layout, arena.buffer, arena.slot_bytes, arena._pieces, chunk_bytes=3 * arena.slot_bytes,
-                          programs=5, kernels=True)
+                          programs=5, kernels=True, dma_runs=dma_runs)
     slots, grps, blocks = _entries(layout, 10, seed=2)
     assert [len(part) for part, _ in copier.save(slots, grps, blocks)] == [1, 3, 3, 2, 1]  # at most 3, the last ones smaller
     regions.save(slots, grps, blocks)
-    assert torch.equal(arena.buffer, regions.buffer), name
+    assert _values(arena, slots, grps) == _values(regions, slots, grps), name
     saved = _blocks(kv, groups, grps, blocks)
     for t in layout.storages:
         t.zero_()
@@ -152,6 +160,11 @@ def test_the_copy_kernels_move_every_byte_and_nothing_else():
     assert done.stdout.strip() == "ok", done.stderr[-3000:]
 
 
+def test_slot_runs():
+    assert slot_runs(np.array([3, 4, 5, 9, 11, 12])) == [(0, 3, 3), (3, 9, 1), (4, 11, 2)]
+    assert slot_runs(np.array([], dtype=np.int64)) == []
+
+
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 
@@ -172,7 +185,7 @@ def test_cuda_a_block_rewritten_right_after_its_save_is_saved_as_it_was():
         done.synchronize()
     regions = HostArena(KVLayout(on_host, groups), 64, copier="regions")
     regions.save(blocks, zeros, blocks)
-    assert torch.equal(arena.buffer, regions.buffer)
+    assert _values(arena, blocks, zeros) == _values(regions, blocks, zeros)
 
 
 @cuda

@@ -42,6 +42,11 @@ CHUNK_BYTES = 256 << 20
 #: GPU's cores, so that the model's own kernels run beside a copy.
 COPY_PROGRAMS = 32
 
+#: Runs of consecutive slots in a chunk up to which the GPU's copy engine moves them (one
+#: ``copy_`` a run, at the host link's full speed); a chunk of more scattered slots is moved
+#: by a kernel reading or writing the slots directly (about 0.9 of that speed, one launch).
+DMA_RUNS = 8
+
 #: Elements a program copies per step of its loop.
 _TILE = 2048
 
@@ -164,13 +169,25 @@ def launch_copy_rows(origin: torch.Tensor, table: torch.Tensor, first: int, coun
         W=width, VEC=vec, TILE=_TILE)
 
 
+def slot_runs(slots: np.ndarray) -> List[Tuple[int, int, int]]:
+    """``(position, first slot, count)`` of each run of consecutive slots in ``slots``, in order."""
+    if not len(slots):
+        return []
+    breaks = np.flatnonzero(np.diff(slots) != 1) + 1
+    starts = np.concatenate([[0], breaks])
+    ends = np.concatenate([breaks, [len(slots)]])
+    return [(int(a), int(slots[a]), int(b - a)) for a, b in zip(starts, ends)]
+
+
 class DeviceCopier:
     """Copies blocks between the device KV cache of ``layout`` and the host buffer ``host``
     (uint8, one ``slot_bytes`` slot after another; pinned for CUDA), a block's pieces back to
-    back in its slot as ``pieces`` places them."""
+    back in its slot as ``pieces`` places them. Saves and loads run on streams of their own,
+    so that one never waits behind the other."""
 
     def __init__(self, layout, host: torch.Tensor, slot_bytes: int, pieces: PieceTable,
-                 chunk_bytes: int = CHUNK_BYTES, programs: int = COPY_PROGRAMS, kernels: Optional[bool] = None) -> None:
+                 chunk_bytes: int = CHUNK_BYTES, programs: int = COPY_PROGRAMS, kernels: Optional[bool] = None,
+                 dma_runs: int = DMA_RUNS) -> None:
         self.layout = layout
         self.host = host
         self.slot_bytes = int(slot_bytes)
@@ -179,15 +196,18 @@ class DeviceCopier:
         self.block_bytes = np.array([g.block_bytes for g in layout.groups], dtype=np.uint64)
         self.chunk_slots = max(1, int(chunk_bytes) // self.slot_bytes)
         self.programs = int(programs)
-        self._stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        self.dma_runs = int(dma_runs)
+        cuda = self.device.type == "cuda"
+        self._save_stream = torch.cuda.Stream(self.device) if cuda else None
+        self._load_stream = torch.cuda.Stream(self.device) if cuda else None
         # The copy kernels (default on CUDA; on CPU under Triton's interpreter, for tests), else
         # the Rust region copier.
-        self._kernel_on = self.device if (self._stream is not None if kernels is None else kernels) else None
+        self._kernel_on = self.device if (cuda if kernels is None else kernels) else None
         self.width, self.vec = 1, 1
-        # A save's gather into device staging stays on the device: every core may take part.
-        self._gather_programs = self.programs
-        if self._stream is not None:
-            self._gather_programs = max(self.programs, 2 * torch.cuda.get_device_properties(self.device).multi_processor_count)
+        # Copies between device staging and the KV cache stay on the device: every core may help.
+        self._device_programs = self.programs
+        if cuda:
+            self._device_programs = max(self.programs, 2 * torch.cuda.get_device_properties(self.device).multi_processor_count)
         if self._kernel_on is not None:
             # Slots and staging rows start at multiples of slot_bytes from aligned buffers.
             self.width, self.vec = access_width(pieces.base, pieces.stride, pieces.size, pieces.start,
@@ -211,12 +231,19 @@ class DeviceCopier:
         bounds = np.cumsum([0, *(sizes if growing else sizes[::-1])])
         return [np.arange(a, b) for a, b in zip(bounds[:-1], bounds[1:])]
 
+    def _staging(self, parts: List[np.ndarray]) -> Tuple[torch.Tensor, np.ndarray]:
+        """Device staging for the largest of ``parts`` (on the current stream), and each
+        position's row address in it (its place in its chunk)."""
+        staging = torch.empty(max(map(len, parts)) * self.slot_bytes, dtype=torch.uint8, device=self.device)
+        row = np.concatenate([part - part[0] for part in parts]).astype(np.uint64)
+        return staging, np.uint64(staging.data_ptr()) + row * np.uint64(self.slot_bytes)
+
     def _table(self, *rows: np.ndarray) -> Optional[torch.Tensor]:
         """Rows of an op's table on the device, for the kernels (None without them)."""
         return None if self._kernel_on is None else _on(self._kernel_on, np.stack([r.astype(np.uint64) for r in rows]))
 
     def _copy_blocks(self, groups: np.ndarray, block_ids: np.ndarray, entries: np.ndarray, part: np.ndarray,
-                     table: Optional[torch.Tensor], to_entries: bool, programs: Optional[int] = None) -> None:
+                     table: Optional[torch.Tensor], to_entries: bool, programs: int) -> None:
         """Copy every piece of blocks ``(groups[i], block_ids[i])`` for ``i`` in ``part`` (a
         contiguous range) to (``to_entries``) or from ``entries[i]``, where their pieces lie
         back to back: one kernel over those columns of ``table`` (the three arrays on the
@@ -230,41 +257,58 @@ class DeviceCopier:
         _, copy_blocks_kernel = _kernels()
         per_entry = int(self.pieces.count[np.unique(groups[part])].max())
         origin = self._piece_table
-        copy_blocks_kernel[_programs(programs or self.programs, len(part) * per_entry * self._tiles_per_piece)](
+        copy_blocks_kernel[_programs(programs, len(part) * per_entry * self._tiles_per_piece)](
             origin.view(_ELEMENTS[self.width]), origin.data_ptr(), table, table.shape[1], int(part[0]), len(part),
             self._tiles_per_piece, self._piece_table, self._piece_table.shape[1], self._group_table,
             self._group_table.shape[1], per_entry, TO_SLOTS=to_entries, W=self.width, VEC=self.vec, TILE=_TILE)
+
+    def _link_runs(self, slots: np.ndarray) -> Optional[List[Tuple[int, int, int]]]:
+        """The runs of ``slots`` when the copy engine should move them (few enough that their
+        copies cost the host little), else None: the kernel moves them, however scattered."""
+        runs = slot_runs(slots)
+        return runs if len(runs) <= self.dma_runs else None
+
+    def _host_rows(self, first: int, count: int) -> torch.Tensor:
+        return self.host[first * self.slot_bytes:(first + count) * self.slot_bytes]
+
+    def _staging_rows(self, staging: torch.Tensor, first: int, count: int) -> torch.Tensor:
+        return staging[first * self.slot_bytes:(first + count) * self.slot_bytes]
 
     # ---- saves -------------------------------------------------------------------------
 
     def save(self, slots: np.ndarray, groups: np.ndarray, block_ids: np.ndarray,
              after=None) -> List[Tuple[np.ndarray, Optional["torch.cuda.Event"]]]:
-        """Copy each block into its slot, chunk by chunk; returns ``(entries, event)`` per
+        """Copy each block into its slot, chunk by chunk; returns ``(positions, event)`` per
         chunk: the positions of its entries and an event (CUDA) that completes when their
         bytes are in the host slots, or None when they are (CPU). ``after``: an event the
         gathers follow (default: the work queued on the calling thread's current stream)."""
+        order = np.argsort(slots, kind="stable")  # runs of consecutive slots as long as they go
+        slots, groups, block_ids = slots[order], groups[order], block_ids[order]
         caller = self._caller_stream()
         chunks = []
-        with self._on_side(caller, after):
+        with self._on_side(self._save_stream, caller, after):
             parts = self._chunks(len(slots), growing=False)
-            staging = torch.empty(max(map(len, parts)) * self.slot_bytes, dtype=torch.uint8, device=self.device)
-            # Each entry is staged in the row of its position in its chunk, then drained into its slot.
-            row = np.concatenate([part - part[0] for part in parts]).astype(np.uint64)
-            staged = np.uint64(staging.data_ptr()) + row * np.uint64(self.slot_bytes)
+            # Runs go to the slots as whole staging rows: a slot's bytes past its value are
+            # undefined, as after any value that was longer.
+            staging, staged = self._staging(parts)
             into, lengths = self._slot_addresses(slots), self.block_bytes[groups]
             table = self._table(groups, block_ids, staged, staged, into, lengths // np.uint64(self.width))
             for part in parts:
-                self._copy_blocks(groups, block_ids, staged, part, table, to_entries=True, programs=self._gather_programs)
+                self._copy_blocks(groups, block_ids, staged, part, table, True, self._device_programs)
                 if caller is not None:  # later kernels on the caller's stream wait for the reads alone
                     gathered = torch.cuda.Event()
-                    gathered.record(self._stream)
+                    gathered.record(self._save_stream)
                     caller.wait_event(gathered)
-                if table is None:
+                runs = self._link_runs(slots[part]) if table is not None else None
+                if runs is not None:  # staging rows are in slot order: one copy a run
+                    for position, first, count in runs:
+                        self._host_rows(first, count).copy_(self._staging_rows(staging, position, count), non_blocking=True)
+                elif table is None:
                     copy_rows(staged[part], into[part], lengths[part])
                 else:
                     launch_copy_rows(self._piece_table, table[3:], int(part[0]), len(part), self.width, self.vec,
                                      int(lengths[part].max()) // self.width, self.programs)
-                chunks.append((part, self._done()))
+                chunks.append((order[part], self._done(self._save_stream)))
         return chunks
 
     # ---- loads -------------------------------------------------------------------------
@@ -276,41 +320,52 @@ class DeviceCopier:
         chunk copies). Returns which entries were copied and an event (CUDA) that completes
         when every block is written, or None when they are (CPU). ``after``: an event the
         writes follow (default: the work queued on the calling thread's current stream)."""
+        order = np.argsort(slots, kind="stable")
+        slots, groups, block_ids = slots[order], groups[order], block_ids[order]
         copied = np.zeros(len(slots), dtype=bool)
         at = self._slot_addresses(slots)
-        with self._on_side(self._caller_stream(), after):
-            table = self._table(groups, block_ids, at)
-            for part in self._chunks(len(slots), growing=True):
-                good = check(part)
-                copied[part[good]] = True
-                if good.all():
-                    self._copy_blocks(groups, block_ids, at, part, table, to_entries=False)
-                elif good.any():  # a chunk of its own for the entries that passed
+        with self._on_side(self._load_stream, self._caller_stream(), after):
+            parts = self._chunks(len(slots), growing=True)
+            staging, staged = self._staging(parts) if self._kernel_on is not None else (None, None)
+            table = self._table(groups, block_ids, at) if staging is None else self._table(groups, block_ids, at, groups, block_ids, staged)
+            for part in parts:
+                good = check(order[part])
+                copied[order[part[good]]] = True
+                runs = self._link_runs(slots[part]) if table is not None and good.all() else None
+                if runs is not None:  # one copy a run into staging, then a scatter on the device
+                    for position, first, count in runs:
+                        self._staging_rows(staging, position, count).copy_(self._host_rows(first, count), non_blocking=True)
+                    self._copy_blocks(groups, block_ids, staged, part, table[3:], False, self._device_programs)
+                elif good.all():
+                    self._copy_blocks(groups, block_ids, at, part, table, False, self.programs)
+                elif good.any():  # a table of its own for the entries that passed
                     kept = part[good]
                     self._copy_blocks(groups[kept], block_ids[kept], at[kept], np.arange(len(kept)),
-                                      self._table(groups[kept], block_ids[kept], at[kept]), to_entries=False)
-            return copied, self._done()
+                                      self._table(groups[kept], block_ids[kept], at[kept]), False, self.programs)
+            return copied, self._done(self._load_stream)
 
     # ---- helpers -----------------------------------------------------------------------
 
     def _caller_stream(self):
-        return torch.cuda.current_stream(self.device) if self._stream is not None else None
+        return torch.cuda.current_stream(self.device) if self._save_stream is not None else None
 
-    def _on_side(self, caller, after):
-        """The side stream, ordered after ``after`` (or the caller's stream); a no-op on CPU."""
-        if self._stream is None:
+    @staticmethod
+    def _on_side(stream, caller, after):
+        """``stream``, ordered after ``after`` (or the caller's stream); a no-op on CPU."""
+        if stream is None:
             return _NoStream()
         if after is not None:
-            self._stream.wait_event(after)
+            stream.wait_event(after)
         else:
-            self._stream.wait_stream(caller)
-        return torch.cuda.stream(self._stream)
+            stream.wait_stream(caller)
+        return torch.cuda.stream(stream)
 
-    def _done(self) -> Optional["torch.cuda.Event"]:
-        if self._stream is None:
+    @staticmethod
+    def _done(stream) -> Optional["torch.cuda.Event"]:
+        if stream is None:
             return None
         event = torch.cuda.Event()
-        event.record(self._stream)
+        event.record(stream)
         return event
 
 
