@@ -130,6 +130,15 @@ def run(name: str, args, device) -> bool:
 
         save_s = median_time(lambda: save(saves), args.reps, sync)
         hold = statistics.median(holds)
+        if args.profile:  # where the caller's hold goes, by function
+            import cProfile
+            import pstats
+
+            profile = cProfile.Profile()
+            profile.runcall(engine.submit_planned, puts={-1: saves})
+            engine.wait_idle()
+            engine.get_finished()
+            pstats.Stats(profile).sort_stats("tottime").print_stats(14)
         offset = saved_blocks + 1
         gets = [(slot, g, b + offset) for slot, g, b in saves]
         load_s = median_time(lambda: load(gets), args.reps, sync)
@@ -172,6 +181,7 @@ def run(name: str, args, device) -> bool:
         kernel_save_s = median_time(lambda: arena.save(slots, groups, blocks, digest=False), args.reps, sync)
         kernel_load_s = median_time(lambda: arena.load(slots, groups, blocks + offset, verify=False), args.reps, sync)
         digest_s = median_time(lambda: arena._digest(slots, groups), args.reps, sync)
+        host_copy_s = median_time(lambda: other_host.copy_(host), args.reps, sync)
     finally:
         engine.shutdown()
     ratios = {"save": d2h / save_s, "load": h2d / load_s, "both": both_raw / both_s}
@@ -188,6 +198,7 @@ def run(name: str, args, device) -> bool:
     print(f"| copies alone, save (no digests) | {gbs(kernel_save_s):.1f} | {d2h / kernel_save_s:.2f} |")
     print(f"| copies alone, load (no digests) | {gbs(kernel_load_s):.1f} | {h2d / kernel_load_s:.2f} |")
     print(f"| digests alone (XXH3 of the slots, host) | {gbs(digest_s):.1f} | |")
+    print(f"| host memory copy (torch, {torch.get_num_threads()} threads) | {gbs(host_copy_s):.1f} | |")
     print(f"\nsubmit_planned held its caller {hold * 1e3:.2f} ms for the save; wrong bytes: {wrong}")
     ok = wrong == 0
     if device.type == "cuda":
@@ -202,6 +213,7 @@ def main() -> int:
     ap.add_argument("--requests", type=int, default=4)
     ap.add_argument("--tokens", type=int, default=4096)
     ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--profile", action="store_true", help="profile the caller's hold of one save")
     ap.add_argument("--programs", type=int, default=0, help="programs of the copy kernels (default: the arena's)")
     args = ap.parse_args()
     if args.requests <= 0 or args.tokens <= 0 or args.reps <= 0:

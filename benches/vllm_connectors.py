@@ -14,7 +14,10 @@ Configurations:
 - ``none``              no connector (the floor: what vLLM costs by itself);
 - ``kvstride-embedded`` ``{"store": "embedded"}`` (host arena in the worker);
 - ``kvstride-mooncake`` ``{"store": "mooncake"}`` on the Mooncake store started here;
-- ``mooncake-store``    vLLM's MooncakeStoreConnector on the same store (the peer);
+- ``mooncake-store``    vLLM's MooncakeStoreConnector on the same store (the peer as a pure client,
+  Mooncake's "standalone-store" mode);
+- ``mooncake-store-own-segment`` the peer in its default mode (``embedded``): the engine is a
+  Mooncake client that contributes a global segment of its own, on a master of its own (below);
 - ``offloading``, ``simple-cpu``, ``example``: vLLM's OffloadingConnector,
   SimpleCPUOffloadConnector and ExampleConnector, each tried; one that does not boot is
   reported with its error. On the vLLM 0.32 CPU build the first two fail in
@@ -23,8 +26,32 @@ Configurations:
   only a prefix never hits, and fails for qwen3_next (Mamba needs HMA).
 
 The Mooncake store is ``python -m kvstride.cli store serve --bytes ... --config-out F``
-(master + the segment holder on 127.0.0.1), started and stopped here; the engines are pure
-clients (segment 0, "standalone-store") reading ``MOONCAKE_CONFIG_PATH=F``.
+(master + the segment holder on 127.0.0.1), started and stopped here; the engines of
+``kvstride-mooncake`` and ``mooncake-store`` are pure clients of it (segment 0,
+"standalone-store") reading ``MOONCAKE_CONFIG_PATH=F``.
+
+The peer's default mode. vLLM 0.32's MooncakeStoreConnector reads the JSON file named by
+``MOONCAKE_CONFIG_PATH`` (``vllm/distributed/mooncake_store.py``, ``MooncakeStoreConfig.from_file``)
+and has each worker call ``MooncakeDistributedStore.setup(VLLM_HOST_IP, metadata_server,
+global_segment_size, local_buffer_size, protocol, device_name, master_server_address)``. Keys the
+file leaves out take vLLM's defaults: ``mode`` "embedded" (each rank contributes
+``global_segment_size`` in-process; "standalone-store" requires a segment of 0),
+``global_segment_size`` 4 GiB, ``local_buffer_size`` 4 GiB, ``protocol`` "rdma", no
+``preferred_segment``. A master must still run. ``mooncake-store-own-segment`` gets a file with
+only what has no usable default here: the master's address, ``protocol`` "tcp" (no RDMA on this
+host), ``device_name`` "" and ``metadata_server`` "P2PHANDSHAKE" (the same as the pure-client
+file); mode and sizes are vLLM's defaults, so each engine mounts a 4 GiB segment and a 4 GiB
+local buffer (the pure-client file gives 16 MiB). Its master is a bare ``mooncake_master``
+(``kvstride.stores.start_master``, the flags ``store serve`` gives its master, 127.0.0.1) without
+a segment holder: ``kvstride store serve`` cannot start a master alone (``--bytes`` must be > 0),
+and the holder must not share this master. Mooncake places a put without ``preferred_segment``
+on any mounted segment with room (measured on 0.3.13.post1: a client with a 256 MiB segment
+beside a 512 MiB holder put 16 of 40 objects in its own segment, 24 in the holder's), so on the
+store-serve master the peer's default mode would put a share of its objects in the holder, and the
+pure clients' puts would land in the idle own-segment engine's segment. On its own master, the
+engine's segment is the only one: every object it stores lives in its own process, as with one
+engine in default mode. Its "store processes' CPU" is that master's alone; the segment's work is
+in the engine process's threads.
 
 The reps are interleaved: rep r of every configuration runs before rep r + 1 of any, the order
 rotated each round, one engine at a time (the others idle), so that this machine's drift (tens
@@ -36,8 +63,10 @@ Measured per configuration:
   (``--max-tokens`` each, the same prompts for every configuration in a round), until every
   save is done (kvstride-mooncake's save lane idle, the scheduler without requests or pending
   push work); the median of ``--reps``. "added": each round's time minus ``none``'s in the
-  same round (the write-through cost over the engine alone), its median, and that over the
-  peer's median (in brackets the median of the per-round ratios);
+  same round (the write-through cost over the engine alone), its median, and that over each
+  peer's median: "added vs peer: pure client" (``mooncake-store``) and "added vs peer: own
+  segment" (``mooncake-store-own-segment``), in brackets the median of the per-round ratios
+  (``--json``: ``added_vs``); "vs peer" is the write-through time over the pure client's;
 - TTFT on a hit: store a fresh prompt, drain + ``reset_prefix_cache()`` + random KV
   (``harness.drain_and_forget``), then time one request sharing 384 of its 480 tokens with
   max_tokens=1; median over ``--trials``. For ``none`` this is a miss (full prefill). It
@@ -80,8 +109,12 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))  # vllm_harness
 
-CONFIGS = ("none", "kvstride-embedded", "kvstride-mooncake", "mooncake-store", "offloading", "simple-cpu", "example")
-PEER = "mooncake-store"
+CONFIGS = ("none", "kvstride-embedded", "kvstride-mooncake", "mooncake-store", "mooncake-store-own-segment",
+           "offloading", "simple-cpu", "example")
+PEER = "mooncake-store"  # the peer as a pure client of store serve's store ("vs peer")
+PEER_OWN_SEGMENT = "mooncake-store-own-segment"  # the peer in its default mode
+#: The peers whose added cost each configuration's is divided by, and their labels in the table.
+PEERS = {PEER: "pure client", PEER_OWN_SEGMENT: "own segment"}
 PROMPT_TOKENS, SHARED_TOKENS = 480, 384  # as in vllm_harness (P1 / P2)
 OFFLOAD_BYTES = 256 << 20  # CPU capacity given to vLLM's CPU offloading connectors
 
@@ -106,8 +139,8 @@ def transfer_config(name: str, scratch: str, kvstride_extra: dict):
         return harness.connector_config({"store": "embedded", **kvstride_extra})
     if name == "kvstride-mooncake":
         return harness.connector_config({"store": "mooncake", **kvstride_extra})  # MOONCAKE_CONFIG_PATH
-    if name == "mooncake-store":
-        return vllm_connector("MooncakeStoreConnector", {})  # MOONCAKE_CONFIG_PATH
+    if name in (PEER, PEER_OWN_SEGMENT):  # the mode and the segment: from MOONCAKE_CONFIG_PATH
+        return vllm_connector("MooncakeStoreConnector", {})
     if name == "offloading":
         return vllm_connector("OffloadingConnector", {"cpu_bytes_to_use": OFFLOAD_BYTES})
     if name == "simple-cpu":
@@ -468,6 +501,11 @@ class StoreServer:
             time.sleep(0.1)
         self.children = child_pids(self.proc.pid)  # the mooncake_master it started
 
+    @property
+    def pids(self) -> list:
+        """The store's processes: this server (the segment holder) and its master."""
+        return [self.proc.pid, *self.children]
+
     def stop(self) -> None:
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)  # it closes its holder, then its master
@@ -482,6 +520,33 @@ class StoreServer:
             except (ProcessLookupError, PermissionError):
                 pass
         self.log.close()
+
+
+class BareMaster:
+    """A ``mooncake_master`` alone (no segment holder), for the peer in its default mode, whose
+    engine brings its own segment; ``config_path`` is its MOONCAKE_CONFIG_PATH: the master's
+    address and the transport, with the mode and sizes left to vLLM's defaults."""
+
+    def __init__(self, scratch: str):
+        from kvstride.cli import STORE_SERVE_CLIENT_TTL_S
+        from kvstride.stores import start_master
+
+        # The same master as `kvstride store serve` starts: loopback, its client TTL, warnings only.
+        self.master = start_master(host="127.0.0.1", client_ttl_s=STORE_SERVE_CLIENT_TTL_S,
+                                   extra_args=["--minloglevel=1"], log_dir=scratch)
+        self.config_path = os.path.join(scratch, "mooncake-own-segment.json")
+        # No "mode", "global_segment_size", "local_buffer_size": vLLM's defaults ("embedded",
+        # 4 GiB, 4 GiB). "protocol" would default to "rdma": this host has none.
+        config = {"master_server_address": self.master.address, "protocol": "tcp", "device_name": "",
+                  "metadata_server": "P2PHANDSHAKE"}
+        Path(self.config_path).write_text(json.dumps(config) + "\n")
+
+    @property
+    def pids(self) -> list:
+        return [self.master.pid]
+
+    def stop(self) -> None:
+        self.master.stop()
 
 
 def last_error(log_path: str) -> str:
@@ -516,7 +581,7 @@ class Child:
             VLLM_RPC_BASE_PATH=os.path.join(child_scratch, "rpc"),
             PYTHONPATH=os.pathsep.join([str(ROOT / "tests"), str(ROOT / "python"), env.get("PYTHONPATH", "")]),
         )
-        self.store_pids = [] if store is None else [store.proc.pid, *store.children]
+        self.store_pids = [] if store is None else store.pids
         if store is not None:
             env["MOONCAKE_CONFIG_PATH"] = store.config_path
         else:
@@ -569,7 +634,8 @@ class Child:
 
     def ask(self, command: str, into: str) -> None:
         """Runs ``write R`` or ``hit T`` and appends its figures to ``result[into]``, with the
-        CPU the store's processes (holder and master) spent meanwhile."""
+        CPU the store's processes (holder and master; for the own-segment peer its bare master)
+        spent meanwhile."""
         store_cpu = process_cpu(self.store_pids)
         figures = self._command(command)
         if figures:
@@ -592,14 +658,15 @@ class Child:
         self.log.close()
 
 
-def run_model(model: str, path: str, configs, args, scratch: str, store) -> dict:
+def run_model(model: str, path: str, configs, args, scratch: str, stores: dict) -> dict:
     """Every configuration's engine booted (one after another), then rounds: rep r of every
     configuration before rep r + 1 of any, the order rotated each round so that each
     configuration runs at each position; the same for the TTFT trials. Engines not running
-    are idle (their configuration's figures are not measured while another runs)."""
+    are idle (their configuration's figures are not measured while another runs). ``stores``:
+    each configuration's Mooncake store (MOONCAKE_CONFIG_PATH, and whose CPU is counted)."""
     children = []
     for config in configs:
-        children.append(Child(model, path, config, args, scratch, store))
+        children.append(Child(model, path, config, args, scratch, stores.get(config)))
         state = "booted" if children[-1].ok else f"FAILED: {children[-1].result['error'][:200]}"
         print(f"# {model} / {config}: {state}", flush=True)
     try:
@@ -655,8 +722,9 @@ def summarize(res: dict) -> dict:
 
 def added_costs(raw: dict, rows: dict) -> None:
     """Write-through cost over the engine alone, round by round (each rep against ``none``'s
-    rep of the same round): each configuration's median added seconds, and that over the
-    peer's (the median of the per-round ratios too, as a check on the ratio of medians)."""
+    rep of the same round): each configuration's median added seconds, and that over each
+    peer's of :data:`PEERS` (the pure client and the own segment; ``added_vs[peer]``: the ratio
+    of medians and the median of the per-round ratios, as a check on it)."""
     base = raw.get("none", {})
     if not base.get("ok"):
         return
@@ -667,13 +735,16 @@ def added_costs(raw: dict, rows: dict) -> None:
             continue
         added[config] = [rep["write_through_s"] - f for rep, f in zip(res["write"], floor)]
         rows[config]["added_s"] = statistics.median(added[config])
-    peer = added.get(PEER)
-    if not peer or statistics.median(peer) <= 0:
-        return
-    for config, costs in added.items():
-        rows[config]["added_vs_peer"] = statistics.median(costs) / statistics.median(peer)
-        per_round = [c / p for c, p in zip(costs, peer) if p > 0]
-        rows[config]["added_vs_peer_per_round"] = statistics.median(per_round) if per_round else None
+    for name in PEERS:
+        peer = added.get(name)
+        if not peer or statistics.median(peer) <= 0:
+            continue
+        for config, costs in added.items():
+            per_round = [c / p for c, p in zip(costs, peer) if p > 0]
+            rows[config].setdefault("added_vs", {})[name] = {
+                "ratio": statistics.median(costs) / statistics.median(peer),
+                "per_round": statistics.median(per_round) if per_round else None,
+            }
 
 
 def fmt_bytes(n) -> str:
@@ -690,25 +761,30 @@ def print_table(model: str, rows: dict, args) -> None:
     print(f"\n### {model}: {args.prompts} prompts x {PROMPT_TOKENS} tokens, max_tokens={args.max_tokens}, "
           f"median of {args.reps} reps; TTFT median of {args.trials} (hit shares {SHARED_TOKENS} tokens); "
           f"prefix_cache_retention_interval={args.retention}\n")
-    print("| configuration | write-through s | vs peer | added s | added vs peer (per round) | sched us/step "
-          "| sched ms/rep | TTFT on hit ms | hit tokens | bytes stored / rep | bytes loaded / hit |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    peers = [name for name in PEERS if name in rows]
+    print("| configuration | write-through s | vs peer (pure client) | added s | "
+          + "".join(f"added vs peer: {PEERS[name]} (per round) | " for name in peers)
+          + "sched us/step | sched ms/rep | TTFT on hit ms | hit tokens | bytes stored / rep | bytes loaded / hit |")
+    print("|---|---:|---:|---:|" + "---:|" * len(peers) + "---:|---:|---:|---:|---:|---:|")
     for name, s in rows.items():
         if "error" in s:
-            print(f"| {name} | did not run: {s['error'][:300]} | | | | | | | | | |")
+            print(f"| {name} | did not run: {s['error'][:300]} |" + " |" * (9 + len(peers)))
             continue
         ratio = f"{s['write_through_s'] / peer:.2f}x" if peer else "n/a"
         added = f"{s['added_s']:.3f}" if "added_s" in s else "-"
-        added_ratio = "-"
-        if "added_vs_peer" in s:
-            added_ratio = f"{s['added_vs_peer']:.2f}x"
-            if s.get("added_vs_peer_per_round") is not None:
-                added_ratio += f" ({s['added_vs_peer_per_round']:.2f}x)"
+        added_ratios = ""
+        for peer_name in peers:
+            vs = s.get("added_vs", {}).get(peer_name)
+            text = "-" if vs is None else f"{vs['ratio']:.2f}x"
+            if vs is not None and vs["per_round"] is not None:
+                text += f" ({vs['per_round']:.2f}x)"
+            added_ratios += f" {text} |"
         sched = fmt_or_dash(s["sched_us_per_step"], 0)
-        print(f"| {name} | {s['write_through_s']:.3f} | {ratio} | {added} | {added_ratio} | {sched} | {s['sched_ms_per_rep']:.1f} | "
+        print(f"| {name} | {s['write_through_s']:.3f} | {ratio} | {added} |{added_ratios} {sched} | {s['sched_ms_per_rep']:.1f} | "
               f"{s['ttft_hit_ms']:.1f} | "
               f"{s['hit_tokens']:.0f} | {fmt_bytes(s['bytes_stored_per_rep'])} | {fmt_bytes(s['bytes_loaded_per_hit'])} |")
-    print("\nCPU a write-through rep (medians) beside vLLM's compute threads, of the store's processes, "
+    print("\nCPU a write-through rep (medians) beside vLLM's compute threads, of the store's processes "
+          f"(for {PEER_OWN_SEGMENT}: its bare master; its segment is in the engine), "
           "and kvstride-mooncake's put calls:\n")
     print("| configuration | CPU beside vLLM's compute s | store processes' CPU s | put calls |")
     print("|---|---:|---:|---:|")
@@ -763,15 +839,22 @@ def main() -> int:
     print(f"# vLLM connectors bench: {platform.machine()}, {os.cpu_count()} cores, "
           f"load average {os.getloadavg()[0]:.2f} at start; scratch {scratch}", flush=True)
     report = {"args": vars(args), "models": {}}
-    store = None
+    store = bare = None
     try:
-        if any(c in ("kvstride-mooncake", "mooncake-store") for c in configs):
+        if any(c in ("kvstride-mooncake", PEER) for c in configs):
             store = StoreServer(scratch, args.store_bytes)
             print(f"# Mooncake store: MOONCAKE_CONFIG_PATH={store.config_path}: "
                   f"{Path(store.config_path).read_text().strip()}", flush=True)
+        if PEER_OWN_SEGMENT in configs:
+            bare = BareMaster(scratch)
+            print(f"# {PEER_OWN_SEGMENT}: a bare mooncake_master (pid {bare.master.pid}), "
+                  f"MOONCAKE_CONFIG_PATH={bare.config_path}: {Path(bare.config_path).read_text().strip()} "
+                  "(mode and sizes: vLLM's defaults)", flush=True)
+        # Every configuration but the own-segment peer sees store serve's store, as before.
+        stores = {config: bare if config == PEER_OWN_SEGMENT else store for config in configs}
         for model in models:
             path = harness.MODELS[model].build(Path(scratch) / "models" / model)
-            raw = run_model(model, path, configs, args, scratch, store)
+            raw = run_model(model, path, configs, args, scratch, stores)
             rows = {config: summarize(res) for config, res in raw.items()}
             added_costs(raw, rows)
             print_table(model, rows, args)
@@ -779,6 +862,8 @@ def main() -> int:
     finally:
         if store is not None:
             store.stop()
+        if bare is not None:
+            bare.stop()
         if args.json:
             Path(args.json).write_text(json.dumps(report, indent=1))
         if not args.keep:

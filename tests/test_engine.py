@@ -951,11 +951,13 @@ def test_planned_job_with_a_failed_put_reports_the_job_failed(rig_factory):
     tokens, hashes, tables, _ = rig.source_request(64)
     entries = list(rig.planner.plan_save(hashes, tables, 64).puts)
     bad = entries + [("k-outside", 0, 10**6)]  # a block the KV cache does not have
-    rig.engine.submit_planned(puts={1: entries, 2: bad, 3: []})
+    null_block = entries + [("k-null", 0, 0)]  # vLLM's null block is never a source
+    no_group = entries + [("k-group", 7, 1)]
+    rig.engine.submit_planned(puts={1: entries, 2: bad, 3: [], 4: null_block, 5: no_group})
     assert rig.engine.wait_idle(30)
     done = rig.engine.get_finished()
-    assert done.jobs_done == {1: "ok", 2: "failed", 3: "ok"}
-    assert rig.engine.counters["save_bad_block"] == 1
+    assert done.jobs_done == {1: "ok", 2: "failed", 3: "ok", 4: "failed", 5: "failed"}
+    assert rig.engine.counters["save_bad_block"] == 3
 
 
 def test_planning_only_engine_starts_no_threads_and_moves_no_blocks(rig_factory):

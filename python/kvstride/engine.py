@@ -591,7 +591,9 @@ class OffloadEngine:
         return self.layout.current_stream_event()
 
     def _execute_planned(self, job: _SaveJob, entries: List[Tuple[str, int, int]]) -> None:
-        kept = [entry for entry in entries if self._save_block_in_layout(f"job {job.job_id}", entry)]
+        kept = entries
+        if not self._all_in_layout(entries):  # rare: count and log the blocks we do not have
+            kept = [entry for entry in entries if self._save_block_in_layout(f"job {job.job_id}", entry)]
         if len(kept) < len(entries):
             job.failed.add(job.job_id)
         job.owners = {key: [job.job_id] for key, _, _ in kept}
@@ -819,6 +821,16 @@ class OffloadEngine:
         self.count("save_bad_block")
         self._log_once("save-bad-block", "%s: block %d of group %d is not in the KV cache", owner, block_id, group)
         return False
+
+    def _all_in_layout(self, entries: List[Tuple[str, int, int]]) -> bool:
+        """``_in_layout`` of every entry, in a few array operations (a large save is thousands)."""
+        groups = np.fromiter((g for _, g, _ in entries), dtype=np.int64, count=len(entries))
+        block_ids = np.fromiter((b for _, _, b in entries), dtype=np.int64, count=len(entries))
+        if self._num_blocks is None:
+            return bool((block_ids > 0).all())
+        if len(groups) and (groups.min() < 0 or groups.max() >= len(self._num_blocks)):
+            return False
+        return bool(((block_ids > 0) & (block_ids < np.asarray(self._num_blocks)[groups])).all())
 
     def _in_layout(self, group: int, block_id: int) -> bool:
         if self._num_blocks is None:  # planning without KV tensors: the worker checks

@@ -1,24 +1,33 @@
 """The arena's device data path: blocks of KV tensors on a device (CUDA) to and from the arena's
 pinned host slots, at the host link's speed, with few launches from the caller's thread.
 
-Every copy is a table of rows (source address, destination address, length), the same rows the
-Rust region copier takes on CPU (:class:`kvstride.copies.PieceTable`). On CUDA one kernel
-(:func:`copy_rows`, Triton) copies a whole table: the GPU reads and writes pinned host memory
-directly (it is mapped into the device's address space), so a save or a load is one launch per
-chunk whatever its groups, pieces and slots, and the copy runs on a few of the GPU's cores.
+Every copy is a table of rows, the rows the Rust region copier takes on CPU
+(:class:`kvstride.copies.PieceTable`: a block's pieces in the KV cache, back to back in its
+slot). On CUDA a Triton kernel copies a whole table in one launch: the GPU reads and writes pinned
+host memory directly (it is mapped into the device's address space), so a chunk is one launch
+whatever its groups, pieces and slots, and such a copy runs on a few of the GPU's cores.
 
-A save first gathers its blocks' pieces into device staging laid out as the slots are (at the
-device memory's speed), then drains the staging into the pinned slots. Both run on a side stream
-that first waits for the work the caller queued on its own stream; the caller's stream then waits
-(on the device, never the host) only for the gathers, so later kernels cannot overwrite a block
-before it was read, and the host-link copy overlaps them. A load copies its slots straight into
-the destination blocks. Work goes in chunks of ``CHUNK_BYTES``: each chunk's event lets the host
-compute a save's digests while the next chunk copies, and check a load's digests before its
-chunk is copied; staging holds one chunk at most.
+A save runs on a stream of its own that first waits for the work the caller queued on its
+stream: per chunk, a kernel gathers the blocks' pieces into device staging laid out as the
+slots are (at the device memory's speed, every core helping), then a kernel drains the staging
+into the pinned slots. The caller's stream waits (on the device, never the host) only for the
+gathers, so later kernels cannot overwrite a block before it was read, and the host-link copy
+overlaps them. The caller's thread only enqueues: launches cost it the same at any size (the
+copy engine's commands do not), which keeps a 2 GiB save to about a millisecond of its time.
+
+A load runs on the load lane's thread, on a stream of its own: per chunk, when its slots form
+few runs (``DMA_RUNS``), the copy engine moves each run into device staging and a kernel
+scatters the staging into the destination blocks; scattered slots are read by one kernel
+straight into the blocks.
+
+Work goes in chunks of ``CHUNK_BYTES``: each chunk's event lets the host compute a save's
+digests while the next chunk copies, and check a load's digests before its chunk is copied; the
+first chunks of a load and the last of a save are small, so that little of either waits for
+the other. Staging holds one chunk.
 
 The same code runs on CPU tensors, each table executed by the Rust region copier (no streams:
-every copy is done when it returns), which is how the CPU test tier checks it; the arena uses it
-for device tensors only.
+every copy is done when it returns), which is how the CPU test tier checks it; the kernels
+themselves are checked on CPU memory by Triton's interpreter, and on CUDA by the CUDA tests.
 """
 
 from __future__ import annotations
@@ -32,7 +41,7 @@ import torch
 from kvstride import _core
 from kvstride.copies import PieceTable
 
-__all__ = ["DeviceCopier", "CHUNK_BYTES", "COPY_PROGRAMS", "access_width", "copy_rows", "launch_copy_rows"]
+__all__ = ["DeviceCopier", "CHUNK_BYTES", "COPY_PROGRAMS", "DMA_RUNS", "access_width", "copy_rows", "launch_copy_rows", "slot_runs"]
 
 #: One chunk at most: a save's device staging, and the bytes whose digests are computed (saves)
 #: or checked (loads) while the previous or next chunk copies.
@@ -42,9 +51,9 @@ CHUNK_BYTES = 256 << 20
 #: GPU's cores, so that the model's own kernels run beside a copy.
 COPY_PROGRAMS = 32
 
-#: Runs of consecutive slots in a chunk up to which the GPU's copy engine moves them (one
-#: ``copy_`` a run, at the host link's full speed); a chunk of more scattered slots is moved
-#: by a kernel reading or writing the slots directly (about 0.9 of that speed, one launch).
+#: Runs of consecutive slots in a load's chunk up to which the GPU's copy engine moves them
+#: (one ``copy_`` a run, at the host link's full speed); a chunk of more scattered slots is
+#: read by a kernel straight from the slots (about 0.9 of that speed, one launch).
 DMA_RUNS = 8
 
 #: Elements a program copies per step of its loop.
@@ -282,14 +291,12 @@ class DeviceCopier:
         chunk: the positions of its entries and an event (CUDA) that completes when their
         bytes are in the host slots, or None when they are (CPU). ``after``: an event the
         gathers follow (default: the work queued on the calling thread's current stream)."""
-        order = np.argsort(slots, kind="stable")  # runs of consecutive slots as long as they go
+        order = np.argsort(slots, kind="stable")
         slots, groups, block_ids = slots[order], groups[order], block_ids[order]
         caller = self._caller_stream()
         chunks = []
         with self._on_side(self._save_stream, caller, after):
             parts = self._chunks(len(slots), growing=False)
-            # Runs go to the slots as whole staging rows: a slot's bytes past its value are
-            # undefined, as after any value that was longer.
             staging, staged = self._staging(parts)
             into, lengths = self._slot_addresses(slots), self.block_bytes[groups]
             table = self._table(groups, block_ids, staged, staged, into, lengths // np.uint64(self.width))
@@ -299,13 +306,9 @@ class DeviceCopier:
                     gathered = torch.cuda.Event()
                     gathered.record(self._save_stream)
                     caller.wait_event(gathered)
-                runs = self._link_runs(slots[part]) if table is not None else None
-                if runs is not None:  # staging rows are in slot order: one copy a run
-                    for position, first, count in runs:
-                        self._host_rows(first, count).copy_(self._staging_rows(staging, position, count), non_blocking=True)
-                elif table is None:
+                if table is None:
                     copy_rows(staged[part], into[part], lengths[part])
-                else:
+                else:  # a kernel, not the copy engine: a launch costs the caller the same at any size
                     launch_copy_rows(self._piece_table, table[3:], int(part[0]), len(part), self.width, self.vec,
                                      int(lengths[part].max()) // self.width, self.programs)
                 chunks.append((order[part], self._done(self._save_stream)))
