@@ -233,7 +233,7 @@ class DeviceCopier:
         """Positions ``0..count`` cut into chunks of at most ``chunk_slots``: the first ones
         small and doubling (``growing``: the host's first check waits for nobody), or the last
         ones (else: the host's last digests trail the last copy by little)."""
-        sizes, size = [], max(1, self.chunk_slots // 8)
+        sizes, size = [], max(1, self.chunk_slots // 4)
         while count > sum(sizes):
             sizes.append(min(size, count - sum(sizes)))
             size = min(2 * size, self.chunk_slots)
@@ -264,7 +264,7 @@ class DeviceCopier:
             _core._copy_regions(*((kv, at) if to_entries else (at, kv)), length)
             return
         _, copy_blocks_kernel = _kernels()
-        per_entry = int(self.pieces.count[np.unique(groups[part])].max())
+        per_entry = int(self.pieces.count[groups[part[0]:part[-1] + 1]].max())
         origin = self._piece_table
         copy_blocks_kernel[_programs(programs, len(part) * per_entry * self._tiles_per_piece)](
             origin.view(_ELEMENTS[self.width]), origin.data_ptr(), table, table.shape[1], int(part[0]), len(part),
@@ -294,7 +294,7 @@ class DeviceCopier:
         order = np.argsort(slots, kind="stable")
         slots, groups, block_ids = slots[order], groups[order], block_ids[order]
         caller = self._caller_stream()
-        chunks = []
+        positions, events = [], []
         with self._on_side(self._save_stream, caller, after):
             parts = self._chunks(len(slots), growing=False)
             staging, staged = self._staging(parts)
@@ -303,16 +303,18 @@ class DeviceCopier:
             for part in parts:
                 self._copy_blocks(groups, block_ids, staged, part, table, True, self._device_programs)
                 if caller is not None:  # later kernels on the caller's stream wait for the reads alone
-                    gathered = torch.cuda.Event()
-                    gathered.record(self._save_stream)
+                    gathered = self._done(self._save_stream)
                     caller.wait_event(gathered)
+                    # The stream's order: the previous chunk's drain is done once this gather is.
+                    events.append(gathered)
                 if table is None:
                     copy_rows(staged[part], into[part], lengths[part])
                 else:  # a kernel, not the copy engine: a launch costs the caller the same at any size
                     launch_copy_rows(self._piece_table, table[3:], int(part[0]), len(part), self.width, self.vec,
                                      int(lengths[part].max()) // self.width, self.programs)
-                chunks.append((order[part], self._done(self._save_stream)))
-        return chunks
+                positions.append(order[part])
+            events = events[1:] + [self._done(self._save_stream)] if caller is not None else [None] * len(parts)
+        return list(zip(positions, events))
 
     # ---- loads -------------------------------------------------------------------------
 
