@@ -1,7 +1,8 @@
 #!/bin/bash
 # The CUDA checks in one run, on a GPU host that may have no network: installs the kvstride wheel
-# (and any other wheels) found in WHEELS into a private folder, then runs the CUDA tests and the
-# GPU benches, each log in OUT.
+# (and any other wheels, e.g. cbor2 for the tests) found in WHEELS into a private folder, then runs
+# the CUDA tests and the GPU bench, each log in OUT. Build the wheel from the commit you report
+# (`maturin build --release -o dist`): the logs name the wheel, not the commit.
 #
 #     WHEELS=dist OUT=gpu-results bash benches/gpu_run.sh [extra gpu_engine.py arguments]
 set -u
@@ -14,7 +15,7 @@ export PYTHONPATH=$site PYTHONUNBUFFERED=1
 status=0
 { nvidia-smi --query-gpu=name,driver_version,pcie.link.gen.max,pcie.link.width.max --format=csv; nproc
   python3 -c 'import torch, triton; print("torch", torch.__version__, "cuda", torch.version.cuda, "triton", triton.__version__)'
-  git log -1 --format='commit %H' 2>/dev/null; } 2>&1 | tee "$out/machine.txt"
+  ls "$wheels"; } 2>&1 | tee "$out/machine.txt"
 timeout 300 python3 -m pytest -q -p no:cacheprovider tests/test_arena_device.py tests/test_transfer.py tests/test_layout.py \
     2>&1 | tee "$out/tests.txt"
 [ "${PIPESTATUS[0]}" = 0 ] || status=1
