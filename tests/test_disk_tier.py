@@ -230,6 +230,32 @@ def test_a_failed_disk_load_frees_its_slot_and_a_bad_record_is_forgotten(tmp_pat
         placement.close()
 
 
+@pytest.mark.parametrize("ended_first", [False, True])
+def test_a_load_failed_at_its_deadline_keeps_its_slot_until_every_late_read_ended(tmp_path, ended_first):
+    """Two ranks' reads of a record pass the load's deadline: the load is reported failed,
+    but its reserved slot (which the late reads still write) and pinned record are released
+    only once both reads ended, whichever of the reports comes first."""
+    placement = ArenaPlacement(2, _index(tmp_path), world_size=2)
+    try:
+        for n, key in enumerate(["a", "b", "c"]):
+            placement.place_saves([[(key, 0, n)]])
+            placement.saves_done([key], ok=True)
+            (job,) = placement.take_disk_writes()
+            placement.disk_written({job: [2, 0]})
+        placement.place_load("r", [[("a", 0, 7)]])  # "a" is on disk only: a slot reserved for it
+        placement.disk_reads_late({"r": [2, 0]})
+        if ended_first:
+            placement.disk_reads_late({"r": [0, 1]})
+        placement.load_done("r", ok=False)
+        placement.disk_reads_late({"r": [0, 0 if ended_first else 1]})
+        assert not placement.reset(), "the slot a late read writes was released"
+        placement.disk_reads_late({"r": [0, 1]})
+        assert placement.disk_reads("r") == [] and placement.exists(["a"]) == [True]  # on disk still
+        assert placement.reset()
+    finally:
+        placement.close()
+
+
 def test_a_bad_disk_folder_is_refused_at_construction(tmp_path):
     import subprocess
 

@@ -17,6 +17,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from pathlib import Path
 
@@ -177,6 +178,50 @@ def test_a_wrong_byte_from_disk_would_be_caught(model_dirs, plain_outputs, tmp_p
         kv_vllm.drop_shared_stores()
     assert loads_from_disk > 0
     assert harness.mismatches(got, {"p2": plain_outputs(name)["p2"]}) != []
+
+
+def test_a_disk_that_does_not_answer_costs_a_load_its_deadline(model_dirs, plain_outputs, tmp_path, monkeypatch):
+    """Reads that do not return (a hung drive): P2's load from disk fails at ``load_timeout_s``
+    and P2 recomputes, bit-identical to the plain run, while the read still runs; the slots it
+    writes stay reserved until it ends, then everything is released (``reset_prefix_cache``)."""
+    name = "gemma3"
+    original = DiskRecords.read
+    answer, reads = threading.Event(), {"started": 0, "ended": 0}
+
+    def read(self, record, slot, key, group):
+        reads["started"] += 1
+        answer.wait(300)  # the drive answers when the test lets it
+        ok = original(self, record, slot, key, group)
+        reads["ended"] += 1
+        return ok
+
+    monkeypatch.setattr(DiskRecords, "read", read)
+    p1, p2 = harness.prompts()
+    config = {**_config(tmp_path, name), "load_timeout_s": 1}
+    llm = LLM(**harness.engine_kwargs(harness.MODELS[name], model_dirs[name], connector=config))
+    try:
+        sched, worker = _connectors(llm)
+        harness.generate(llm, p1)
+        got = {"p2": _turn(llm, p2, 1)}
+        while_hung = dict(reads), dict(sched.placement._late_reads), bool(sched.placement._disk_loads)
+        answer.set()
+        for filler in _fillers(20):  # steps, in which the late reads report their end
+            if not sched.placement._late_reads:
+                break
+            harness.generate(llm, filler, max_tokens=1)
+        left = dict(sched.placement._late_reads), dict(sched.placement._disk_loads)
+        reset = llm.reset_prefix_cache()
+        counters = {**sched.counters, **worker.counters}
+    finally:
+        answer.set()
+        harness.close(llm)
+        kv_vllm.drop_shared_stores()
+    (hung_reads, late, reserved) = while_hung
+    assert hung_reads["started"] > 0 and hung_reads["ended"] == 0, hung_reads  # P2 did not wait for it
+    assert counters.get("disk_reads_timed_out", 0) >= 1 and counters.get("loads_from_disk", 0) >= 1, counters
+    assert late and reserved, "the late read's slots were released while it could still write them"
+    assert left == ({}, {}) and reset, left
+    assert harness.mismatches(got, {"p2": plain_outputs(name)["p2"]}) == []
 
 
 WRITER = textwrap.dedent(

@@ -275,6 +275,10 @@ class ArenaPlacement:
         self._load_pins: Dict[str, List[int]] = {}  # req id -> slots pinned for its load
         # req id -> (keys read from disk into reserved slots, their records pinned, the reads)
         self._disk_loads: Dict[str, Tuple[List[str], List[int], list]] = {}
+        # req id -> ranks whose reads of its records passed the load's deadline and still run:
+        # its reserved slots and pinned records wait for them (``disk_reads_late``).
+        self._late_reads: Dict[str, int] = {}
+        self._failed_while_late: set = set()  # such loads vLLM was told failed
         self._disk_queue: List[Tuple[int, int, str]] = []  # (slot, record, key) to write, slot held
         self._disk_jobs: Dict[int, _DiskJob] = {}
         self._next_disk_job = 0
@@ -426,8 +430,29 @@ class ArenaPlacement:
 
     def load_done(self, req_id: str, ok: bool = True) -> None:
         """The workers reported the load: its pins go; keys it read from disk are readable in
-        memory when it succeeded (their slots free again when not)."""
+        memory when it succeeded (their slots free again when not, once no rank's read of
+        them still runs)."""
         self.index.unpin(self._load_pins.pop(req_id, ()))
+        if self._late_reads.get(req_id):
+            self._failed_while_late.add(req_id)
+            return
+        self._end_disk_load(req_id, ok)
+
+    def disk_reads_late(self, reports: Dict[str, List[int]]) -> None:
+        """Per load, [ranks whose reads passed its deadline, ranks whose late reads ended]: a
+        late read still writes the load's reserved slots, so they are not given to other keys
+        before it ends."""
+        for req_id, (timed_out, ended) in reports.items():
+            left = self._late_reads.get(req_id, 0) + timed_out - ended
+            if left > 0:
+                self._late_reads[req_id] = left
+                continue
+            self._late_reads.pop(req_id, None)
+            if req_id in self._failed_while_late:
+                self._failed_while_late.discard(req_id)
+                self._end_disk_load(req_id, ok=False)
+
+    def _end_disk_load(self, req_id: str, ok: bool) -> None:
         held = self._disk_loads.pop(req_id, None)
         if held is not None:
             keys, records, _ = held

@@ -21,7 +21,8 @@ Use it with::
   for the next engine on the folder;
 - ``staging_bytes`` (Mooncake staging, default: what eight full steps can save), ``model_id`` (the key namespace's
   model part, default the model path), ``cache_prefix``, ``secret_file`` (the deployment key);
-- ``load_timeout_s`` (default 10): past it a load is reported failed and its request recomputes;
+- ``load_timeout_s`` (default 10): past it a load is reported failed and its request recomputes
+  (a load from the disk tier: its reads of the records, then its copy, each at most this);
   ``lookup_timeout_s`` (default 1): how long a lookup waits for a shared store before it misses;
   ``staging_wait_s`` (default 4): how long a step waits in all for Mooncake staging room;
 - ``admission``: ``"kvstride"`` (default) stores a window group's blocks only for the tails of

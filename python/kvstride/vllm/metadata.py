@@ -37,20 +37,23 @@ class KVStrideWorkerMetadata(KVConnectorWorkerMetadata):
     """Worker -> scheduler: per save job, [ranks that wrote it, ranks that failed, ranks that
     left some of it to a later step] (``JOB_REPORTS``); what this rank's loads found
     corrupted that the scheduler's placement must forget (the arena's slots); per disk
-    write-through job, [ranks that wrote it, ranks that failed]; and the disk records this
-    rank's reads rejected."""
+    write-through job, [ranks that wrote it, ranks that failed]; the disk records this rank's
+    reads rejected; and per load from disk, [ranks whose reads passed the load's deadline,
+    ranks whose late reads have ended since] (its slots are written until they all ended)."""
 
     saves: Dict[int, List[int]] = field(default_factory=dict)
     corrupt: List = field(default_factory=list)
     disk: Dict[int, List[int]] = field(default_factory=dict)
     disk_corrupt: List[int] = field(default_factory=list)
+    disk_late: Dict[str, List[int]] = field(default_factory=dict)
 
     def aggregate(self, other: "KVStrideWorkerMetadata") -> "KVStrideWorkerMetadata":
         return KVStrideWorkerMetadata(_summed(self.saves, other.saves, 3), self.corrupt + other.corrupt,
-                                      _summed(self.disk, other.disk, 2), self.disk_corrupt + other.disk_corrupt)
+                                      _summed(self.disk, other.disk, 2), self.disk_corrupt + other.disk_corrupt,
+                                      _summed(self.disk_late, other.disk_late, 2))
 
 
-def _summed(mine: Dict[int, List[int]], theirs: Dict[int, List[int]], width: int) -> Dict[int, List[int]]:
+def _summed(mine: Dict, theirs: Dict, width: int) -> Dict:
     merged = {job: list(counts) for job, counts in mine.items()}
     for job, counts in theirs.items():
         into = merged.setdefault(job, [0] * width)

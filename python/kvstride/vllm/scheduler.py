@@ -144,11 +144,13 @@ class SchedulerSide(Outcomes):
 
     def update_connector_output(self, connector_output) -> None:
         try:
+            meta = getattr(connector_output, "kv_connector_worker_meta", None)
+            if isinstance(meta, KVStrideWorkerMetadata) and meta.disk_late:  # before the loads they failed
+                self.placement.disk_reads_late(meta.disk_late)
             self._loads_reported(connector_output.finished_recving, connector_output.failed_recving)
             # vLLM asks again after a failed load; a store that failed once is not trusted for
             # the same request (the retry could fail the same way, forever).
             self._recompute.update(connector_output.failed_recving or ())
-            meta = getattr(connector_output, "kv_connector_worker_meta", None)
             if isinstance(meta, KVStrideWorkerMetadata):
                 self.placement.forget_corrupt(meta.corrupt)
                 self._saves_reported(meta.saves)

@@ -15,7 +15,8 @@ finished request's blocks are free at once.
 from __future__ import annotations
 
 import logging
-from typing import Dict, List, Optional
+import time
+from typing import Dict, List, Optional, Tuple
 
 from kvstride.engine import OffloadEngine
 from kvstride.layout import KVLayout
@@ -55,11 +56,15 @@ class WorkerSide(Outcomes):
         self._finished_seen: set = set()  # finished req ids vLLM named, not yet reported
         self._recv_done: set = set()  # loads completed, not yet reported to vLLM
         self._load_failed: set = set()  # loads failed, not yet reported to vLLM
-        # The embedded store's disk tier: loads waiting for their records (req id -> its gets),
-        # write-through reports and records found bad, for the scheduler.
-        self._reading: Dict[str, list] = {}
+        # The embedded store's disk tier: loads waiting for their records (req id -> its gets
+        # and the reads' deadline), loads failed at that deadline whose reads still run, and
+        # for the scheduler: write-through reports, records found bad, and per such load
+        # [reads timed out here, late reads ended here] (its slots stay reserved until then).
+        self._reading: Dict[str, Tuple[list, float]] = {}
+        self._reads_late: set = set()
         self._disk_reports: Dict[int, List[int]] = {}
         self._disk_corrupt: List[int] = []
+        self._disk_late: Dict[str, List[int]] = {}
 
     def shutdown(self) -> None:
         """Stop the lanes, waiting for what runs (the staging pool's registration ends with
@@ -116,7 +121,7 @@ class WorkerSide(Outcomes):
             if disk is None:
                 self._load_failed.add(rid)
                 continue
-            self._reading[rid] = entries
+            self._reading[rid] = (entries, time.monotonic() + self._load_timeout_s)
             disk.read(rid, reads)
         if gets:
             self.engine.submit_planned(gets=gets)
@@ -174,17 +179,34 @@ class WorkerSide(Outcomes):
             self._disk_reports[job_id] = [1, 0] if ok else [0, 1]
         gets = {}
         for rid, (ok, bad) in read.items():
-            entries = self._reading.pop(rid, None)
+            reading = self._reading.pop(rid, None)
             self._disk_corrupt.extend(bad)
-            if entries is None:
+            if rid in self._reads_late:  # failed at its deadline: now its slots may go
+                self._reads_late.discard(rid)
+                self._late_report(rid, ended=1)
+            if reading is None:
                 continue
             if ok and self.engine is not None:
-                gets[rid] = entries
+                gets[rid] = reading[0]
             else:
                 self.count("disk_loads_failed")
                 self._load_failed.add(rid)
+        now = time.monotonic()
+        for rid in [rid for rid, (_, deadline) in self._reading.items() if now > deadline]:
+            del self._reading[rid]  # a disk that does not answer: the request recomputes
+            self._reads_late.add(rid)
+            self._late_report(rid, timed_out=1)
+            self.count("disk_reads_timed_out")
+            self._log_once("disk-read-deadline", "kvstride: a disk-tier read took over load_timeout_s=%s s; "
+                           "its request recomputes", self._load_timeout_s)
+            self._load_failed.add(rid)
         if gets:
             self.engine.submit_planned(gets=gets)
+
+    def _late_report(self, rid: str, timed_out: int = 0, ended: int = 0) -> None:
+        counts = self._disk_late.setdefault(rid, [0, 0])
+        counts[0] += timed_out
+        counts[1] += ended
 
     def handle_preemptions(self, kv_connector_metadata) -> None:
         """Nothing to wait for: a save never reads a block after its step, and the offsets
@@ -222,10 +244,11 @@ class WorkerSide(Outcomes):
         return results
 
     def build_connector_worker_meta(self) -> Optional[KVStrideWorkerMetadata]:
-        if not (self._job_reports or self._corrupt or self._disk_reports or self._disk_corrupt):
+        if not (self._job_reports or self._corrupt or self._disk_reports or self._disk_corrupt or self._disk_late):
             return None
         reports, self._job_reports = self._job_reports, {}
         corrupt, self._corrupt = self._corrupt, []
         disk, self._disk_reports = self._disk_reports, {}
         disk_corrupt, self._disk_corrupt = self._disk_corrupt, []
-        return KVStrideWorkerMetadata(reports, corrupt, disk, disk_corrupt)
+        disk_late, self._disk_late = self._disk_late, {}
+        return KVStrideWorkerMetadata(reports, corrupt, disk, disk_corrupt, disk_late)
