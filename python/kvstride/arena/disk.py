@@ -203,18 +203,25 @@ class DiskRecords:
         if not 0 <= group < len(self.arena.block_bytes):
             return False
         parts = self._value_parts(slot, group)
-        why = "short record" if got < DISK_ALIGN + self.arena.slot_bytes else ""
-        why = why or self.headers._check(key, header[:HEADER_BYTES], parts)
-        if why:
-            self._count("disk_records_rejected")
-            log.debug("kvstride: disk record %d rejected for %s: %s", record, key, why)
-            return False
+        if got < DISK_ALIGN + self.arena.slot_bytes:
+            return self._rejected(record, key, "short record")
+        # The slot's digest is the payload's XXH3: without a secret, the very hash the header's
+        # check needs (one pass over the bytes); with one, the check hashes a keyed tag.
         address, length = parts[0]
-        self.arena.digests[slot] = _core._xxh3_64_regions(np.array([address], dtype=np.uint64),
-                                                          np.array([length], dtype=np.uint64))[0]
+        digest = _core._xxh3_64_regions(np.array([address], dtype=np.uint64), np.array([length], dtype=np.uint64))[0]
+        payload_hash = None if self.headers.mac_secret is not None else int(digest)
+        why = self.headers._check(key, header[:HEADER_BYTES], parts, payload_hash=payload_hash)
+        if why:
+            return self._rejected(record, key, why)
+        self.arena.digests[slot] = digest
         self.arena.lengths[slot] = length
         self.arena.slot_group[slot] = group
         return True
+
+    def _rejected(self, record: int, key: str, why: str) -> bool:
+        self._count("disk_records_rejected")
+        log.debug("kvstride: disk record %d rejected for %s: %s", record, key, why)
+        return False
 
     def take_counters(self) -> dict:
         """What was counted since the last call."""
