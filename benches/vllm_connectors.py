@@ -567,7 +567,9 @@ class Child:
         tag = f"{model}-{config}"
         self.log_path = os.path.join(scratch, f"{tag}.log")
         child_scratch = os.path.join(scratch, tag)
-        os.makedirs(os.path.join(child_scratch, "rpc"), exist_ok=True)
+        os.makedirs(child_scratch, exist_ok=True)
+        # Short: the peer's ipc socket path must fit sockaddr_un (107 bytes), whatever the tag.
+        rpc_dir = tempfile.mkdtemp(prefix="rpc-", dir=scratch)
         spec = dict(model=model, path=path, config=config, prompts=args.prompts, retention=args.retention,
                     max_tokens=args.max_tokens, scratch=child_scratch,
                     kvstride_extra=args.kvstride_extra)
@@ -578,7 +580,7 @@ class Child:
             MC_TCP_BIND_ADDRESS="127.0.0.1",
             # The peer's scheduler->worker lookup socket is ipc://$VLLM_RPC_BASE_PATH/lookup_rpc_port_0_...:
             # private, so that other vLLM runs on this machine cannot collide with it.
-            VLLM_RPC_BASE_PATH=os.path.join(child_scratch, "rpc"),
+            VLLM_RPC_BASE_PATH=rpc_dir,
             PYTHONPATH=os.pathsep.join([str(ROOT / "tests"), str(ROOT / "python"), env.get("PYTHONPATH", "")]),
         )
         self.store_pids = [] if store is None else store.pids
