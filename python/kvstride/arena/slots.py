@@ -6,9 +6,9 @@ load (vLLM recomputes).
 One copy each way: a save copies block pieces from the KV cache straight into the slot, a
 load from the slot straight into the destination blocks (raw region copies in the Rust core,
 GIL released, spread over cores for large batches). Device tensors go through
-:mod:`kvstride.arena.device`: one copy kernel a chunk, the GPU reading and writing the
-pinned slots itself (a save through device staging, so that the caller waits for the gather
-alone).
+:mod:`kvstride.arena.device` chunk by chunk: copy kernels that read and write the pinned
+slots, the copy engine for a load's runs of slots, a save through device staging so that the
+caller's stream waits for the gather alone.
 """
 
 from __future__ import annotations
