@@ -33,8 +33,9 @@ BAD = [
 ]
 
 
-@pytest.mark.parametrize("argv, option, fix", BAD, ids=[" ".join(a) for a, _, _ in BAD])
-def test_bad_input_is_one_line_and_exit_2(capsys, argv, option, fix):
+def assert_one_line_and_exit_2(capsys, argv, option: str, fix: str) -> None:
+    """``kvstride argv`` exits 2 with one line on stderr naming ``option`` and ``fix``, nothing
+    on stdout."""
     try:
         code = cli.main(argv)
     except SystemExit as done:
@@ -44,6 +45,11 @@ def test_bad_input_is_one_line_and_exit_2(capsys, argv, option, fix):
     assert code == 2 and len(lines) == 1, captured.err
     assert option in lines[0] and fix in lines[0], lines[0]
     assert captured.out == ""
+
+
+@pytest.mark.parametrize("argv, option, fix", BAD, ids=[" ".join(a) for a, _, _ in BAD])
+def test_bad_input_is_one_line_and_exit_2(capsys, argv, option, fix):
+    assert_one_line_and_exit_2(capsys, argv, option, fix)
 
 
 def _trace(tmp_path, rows) -> str:

@@ -151,6 +151,17 @@ def test_load_while_saves_fill_the_pool(rig):
     assert rig.engine.saved_offset("busy") == 8 * BLOCK  # the saves went on
 
 
+def _two_steps(rig):
+    """Step 1 saves six blocks (the whole save share), step 2 four more, then the lanes run
+    dry; the requests' (hashes, table), "first" and "later"."""
+    first = rig.request(6)
+    rig.engine.submit(saves=[SaveRequest("first", first[0], [first[1]], 6 * BLOCK)])
+    later = rig.request(4)
+    rig.engine.submit(saves=[SaveRequest("later", later[0], [later[1]], 4 * BLOCK)])
+    assert rig.engine.wait_idle(30)
+    return first, later
+
+
 def test_step_finding_the_pool_held_by_an_earlier_step_waits_while_the_store_keeps_up(rig):
     """Step 1 fills the save share and each of its puts takes 0.3 s, well within
     ``save_wait_s``. Step 2 waits for that room instead of deferring: a deferred window block
@@ -158,11 +169,7 @@ def test_step_finding_the_pool_held_by_an_earlier_step_waits_while_the_store_kee
     whole, nothing is deferred."""
     assert rig.engine.save_wait_s > 0.3
     rig.store.delay = 0.3
-    first_hashes, first_table = rig.request(6)  # 6 blocks: the whole save share
-    rig.engine.submit(saves=[SaveRequest("first", first_hashes, [first_table], 6 * BLOCK)])
-    hashes, table = rig.request(4)
-    rig.engine.submit(saves=[SaveRequest("later", hashes, [table], 4 * BLOCK)])
-    assert rig.engine.wait_idle(30)
+    (first_hashes, first_table), (hashes, table) = _two_steps(rig)
     done = rig.engine.get_finished()
     assert done.saves_done == {"first", "later"} and not done.saves_failed and not done.saves_deferred
     c = rig.engine.counters
@@ -181,11 +188,7 @@ def test_a_step_waits_for_staging_room_at_most_staging_wait_s_in_all(rig):
     rig.engine.save_wait_s = 60.0
     rig.engine.staging_wait_s = 0.2
     rig.store.delay = 0.3
-    first_hashes, first_table = rig.request(6)  # 6 blocks: the whole save share
-    rig.engine.submit(saves=[SaveRequest("first", first_hashes, [first_table], 6 * BLOCK)])
-    hashes, table = rig.request(4)
-    rig.engine.submit(saves=[SaveRequest("later", hashes, [table], 4 * BLOCK)])
-    assert rig.engine.wait_idle(30)
+    _, (hashes, table) = _two_steps(rig)
     done = rig.engine.get_finished()
     assert done.saves_done == {"first", "later"} and not done.saves_failed
     assert done.saves_deferred == {"later"} and rig.engine.counters["saves_deferred"] == 1

@@ -11,6 +11,7 @@ import pytest
 from kvstride.capacity import DISK_POLICIES, TieredIndex
 from kvstride.cli import main
 from kvstride.trace import ReplayConfig, TraceReplay, TraceRequest, load_model, replay
+from test_cli_errors import assert_one_line_and_exit_2
 
 # Attention and Mamba blocks of 512 tokens (one trace block each): a 4-block prompt saves 4
 # attention blocks (40 bytes) and its end and resend states (60 bytes).
@@ -205,15 +206,7 @@ def test_cli_reports_memory_alone_and_both_disk_policies(tmp_path):
 ])
 def test_bad_disk_input_is_one_line_and_exit_2(tmp_path, capsys, argv, option, fix):
     trace, model = _trace_file(tmp_path)
-    try:
-        code = main(["simulate", "--trace", trace, "--model", model, "--quiet", *argv])
-    except SystemExit as done:
-        code = done.code
-    captured = capsys.readouterr()
-    lines = captured.err.strip().splitlines()
-    assert code == 2 and len(lines) == 1, captured.err
-    assert option in lines[0] and fix in lines[0], lines[0]
-    assert captured.out == ""
+    assert_one_line_and_exit_2(capsys, ["simulate", "--trace", trace, "--model", model, "--quiet", *argv], option, fix)
 
 
 def test_the_disk_policy_needs_trace(capsys, tmp_path):
