@@ -110,14 +110,15 @@ class SlotIndex:
     def pin_ready(self, keys: Sequence[str], stamp: Optional[int] = None, worth: float = 1.0) -> List[Optional[int]]:
         """The slot of each key, pinned until ``unpin`` and used now (:meth:`touch`); None (and
         nothing pinned) for a key that is not ready."""
-        ready, pins, out = self._ready, self._pins, []
-        for key in keys:
-            slot = ready.get(key)
-            if slot is not None:
-                pins[slot] = pins.get(slot, 0) + 1
-            out.append(slot)
+        slots = [self._ready.get(key) for key in keys]
+        self._pin([slot for slot in slots if slot is not None])
         self.touch(keys, stamp, worth)
-        return out
+        return slots
+
+    def _pin(self, slots: Sequence[int]) -> None:
+        pins = self._pins
+        for slot in slots:
+            pins[slot] = pins.get(slot, 0) + 1
 
     def unpin(self, slots: Sequence[int]) -> None:
         pins = self._pins
@@ -209,8 +210,7 @@ class SlotIndex:
         if not all(k in ready for k in keys):
             return None
         slots = [ready[k] for k in keys]
-        for s in slots:
-            self._pins[s] = self._pins.get(s, 0) + 1
+        self._pin(slots)
         return slots
 
     def ready_key(self, key: str) -> bool:
