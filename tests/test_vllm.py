@@ -128,8 +128,9 @@ def _perturb_group_on_load(monkeypatch, group: int) -> list:
         ok = original(self, slots, groups, block_ids)
         ids = torch.tensor([b for g, b in zip(groups, block_ids) if g == group], dtype=torch.int64)
         if len(ids):
-            for piece in range(len(self.layout.groups[group].pieces)):
-                kv = self._kv_view(group, piece)
+            for p in self.layout.groups[group].pieces:  # each piece of every block: (blocks, bytes)
+                kv = self.layout.storages[p.storage].as_strided(
+                    (self.layout.groups[group].num_blocks, p.size), (p.stride, 1), p.offset)
                 kv.index_copy_(0, ids, kv.index_select(0, ids).flip(-1))
             perturbed.extend(ids.tolist())
         return ok
