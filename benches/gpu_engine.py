@@ -87,7 +87,7 @@ def run(name: str, args, device) -> bool:
     store = ArenaSlots(2 * len(entries), copier=None if device.type == "cuda" else "device")
     engine = OffloadEngine(planner, layout, store)
     if args.programs:
-        store.arena._device.programs = args.programs
+        store.arena._device.kernels.programs = args.programs
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     try:
         arena_bytes = 2 * len(entries) * max(layout.groups[g].block_bytes for g in stored)

@@ -79,7 +79,7 @@ def test_staged_payload_matches_source_bytes():
     tr = Transfer(layout, StagingPool(4 << 20))
     with tr.stage([(1, 5), (0, 2)]) as batch:
         tr.gather(batch).wait()
-        # On CPU an entry is staged whole: one part, its pieces back to back.
+        # An entry is staged whole: one part, its pieces back to back.
         (full,) = batch.payload_view(0)
         k = kv["full.0"][0, 5].contiguous().view(-1).view(torch.uint8)
         v = kv["full.0"][1, 5].contiguous().view(-1).view(torch.uint8)
@@ -178,6 +178,100 @@ def test_copies_are_batched_not_per_block(monkeypatch):
     pieces = sum(60 * len(g.pieces) for g in layout.groups)
     assert calls == [pieces, pieces // 2]  # one call each way; the mask halves the scatter
     batch.release()
+
+
+KERNELS_ON_CPU = r"""
+import numpy as np, torch
+import kvdata
+from test_transfer import _check, _pick_blocks, _snapshot
+from kvstride import _core
+from kvstride.engine import LoadRequest, OffloadEngine, SaveRequest
+from kvstride.layout import KVLayout
+from kvstride.stores import MooncakeStore, start_master
+from kvstride.stores.base import HEADER_BYTES
+from kvstride.transfer import StagingPool, Transfer
+
+layouts = {mix: kvdata.MIXES[mix] for mix in sorted(kvdata.MIXES)}
+layouts["odd sizes"] = lambda: ({"odd": torch.empty(9, 5, 3, dtype=torch.uint8), "even": torch.empty(9, 6, dtype=torch.int16)},
+                                [["odd"], ["even"]])
+for mix, make in layouts.items():
+    kv, groups = make()
+    layout = KVLayout(kv, groups)
+    kvdata.fill_random(layout.storages, seed=7)
+    blocks = _pick_blocks(layout)
+    snap = _snapshot(kv, blocks, groups)
+    regions = Transfer(layout, StagingPool(8 << 20))
+    regions.header_room = HEADER_BYTES
+    want = regions.stage(blocks)
+    regions.gather(want).wait()
+    largest = max(g.block_bytes for g in layout.groups) + HEADER_BYTES
+    for chunk_entries in (1, 3, 1000):  # chunks of one entry, of a few, the whole batch
+        tr = Transfer(layout, StagingPool(8 << 20), kernels=True, chunk_bytes=chunk_entries * largest)
+        tr.header_room = HEADER_BYTES  # as for a store that writes its header in front
+        batch = tr.stage(blocks)
+        tr.gather(batch).wait()
+        for i in range(len(blocks)):
+            assert torch.equal(torch.cat(batch.payload_view(i)), torch.cat(want.payload_view(i))), (mix, i)
+        for t in layout.storages:
+            t.zero_()
+        ok = [i % 3 != 1 for i in range(len(blocks))]
+        tr.scatter(batch, ok=ok).wait()
+        _check(kv, snap, {b for (g, b), good in zip(blocks, ok) if good})
+        for (g, b), good in zip(blocks, ok):
+            if not good:  # never written
+                assert all(not kvdata.block_bytes_of(t, b).any() for name in groups[g]
+                           for t in ([kv[name]] if isinstance(kv[name], torch.Tensor) else kv[name])), (mix, g, b)
+        tr.scatter(batch).wait()
+        _check(kv, snap, None)
+        batch.release()
+
+# Through the engine into Mooncake: the store writes each value's header into the room in front
+# of the drained payload and hashes the staged values itself; loads come back byte for byte.
+master = start_master(lease_ttl_ms=1000)
+try:
+    store = MooncakeStore(master, segment_bytes=64 << 20, fingerprint=b"kernels0")
+    kv = torch.zeros(64, 2, 16, 4, 32, dtype=torch.float16)
+    layout = KVLayout({"attn": kv}, [["attn"]])
+    planner = _core.KeyPlanner([_core.GroupSpec("full_attention", 16)], hash_block_size=16, scheduler_block_size=16,
+                               namespace="kernels-on-cpu")
+    pool = StagingPool(1 << 20)
+    pool.register(store.register_buffer)
+    engine = OffloadEngine(planner, Transfer(layout, pool, kernels=True, chunk_bytes=3 * 16 << 10), store)
+    kvdata.fill_random([kv], seed=3)
+    tokens = list(range(1, 10 * 16 + 1))
+    hashes = _core.BlockHasher("sha256_cbor", seed="0").hash_blocks(tokens, 16)
+    engine.submit(saves=[SaveRequest("r", hashes, [list(range(1, 11))], len(tokens))])  # block 0: vLLM's null block
+    assert engine.wait_idle(30)
+    assert engine.get_finished().saves_done == {"r"} and engine.counters["put_ok"] == 10, engine.counters
+    assert engine.lookup([("r2", hashes, len(tokens) + 1)])["r2"] == len(tokens)
+    engine.submit(loads=[LoadRequest("r2", hashes, [list(range(20, 30))], len(tokens))])
+    assert engine.wait_idle(30)
+    done = engine.get_finished()
+    assert done.loads_done == {"r2"} and not done.loads_failed, engine.counters
+    assert torch.equal(kv[20:30].view(torch.uint8), kv[1:11].view(torch.uint8))
+    engine.shutdown()
+    store.close()
+finally:
+    master.stop()
+print("ok")
+"""
+
+
+def test_the_copy_kernels_stage_every_layout_byte_for_byte():
+    """The device path (the copy kernels, chunked through device staging), run by Triton's
+    interpreter on CPU memory: every layout's staged values are byte for byte the Rust
+    copier's, header room included; a masked scatter leaves the failed entries unwritten; and
+    an engine saves into Mooncake and loads back through it."""
+    import os
+    import subprocess
+    import sys
+
+    pytest.importorskip("triton")
+    if torch.cuda.is_available():
+        pytest.skip("the kernels run on the GPU in the CUDA tests (older Tritons cannot interpret them)")
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join([os.path.dirname(__file__), os.environ.get("PYTHONPATH", "")]))
+    done = subprocess.run([sys.executable, "-c", KERNELS_ON_CPU], env=env, capture_output=True, text=True, timeout=600)
+    assert done.stdout.strip().endswith("ok"), done.stderr[-3000:]
 
 
 @cuda_only

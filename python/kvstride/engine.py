@@ -303,9 +303,11 @@ class OffloadEngine:
             self.transfer = transfer
         self.pool: Optional[StagingPool] = None if self.transfer is None else self.transfer.pool
         # The payload digests ride the staging copies (hashed while the bytes are in cache)
-        # when the store takes them from its caller (Mooncake) and the KV cache is on CPU.
+        # when the store takes them from its caller (Mooncake) and the Rust copier copies them
+        # (a CPU KV cache); after device copies the store hashes the staged values itself.
         self._fused_digests = (
-            getattr(store, "takes_digests", False) and store.verify and self.transfer is not None and not self.transfer.cuda
+            getattr(store, "takes_digests", False) and store.verify and self.transfer is not None
+            and self.transfer.kernels is None
         )
         if self._fused_digests:  # with a deployment secret the digest is the MAC's payload tag
             self.transfer.mac_secret = getattr(store, "mac_secret", None)

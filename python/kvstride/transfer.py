@@ -1,32 +1,32 @@
 """Batched copies between the paged KV cache and a bounded host staging pool.
 
 A plan names blocks as ``(group, block_id)``.  ``Transfer.stage`` reserves room for them in the
-:class:`StagingPool` (one host allocation, pinned on CUDA, allocated once and reused).  On CPU it
-lays each entry out whole: the group's pieces of one block back to back, so one block's stored
+:class:`StagingPool` (one host allocation, pinned on CUDA, allocated once and reused) and lays
+each entry out whole: the group's pieces of one block back to back, so one block's stored
 payload is one ``(address, size)`` part -- what Mooncake's ``batch_*_multi_buffers`` calls and
 the embedded store take -- and Mooncake moves one slice per value (each further part cost 30-50
-us of client CPU over TCP, half a one-part 8 KiB value's put; ``benches/mooncake_parts.py``).  On CUDA it
-lays them out piece-major (for piece ``j`` of the group, the ``n`` blocks' bytes are one
-contiguous ``(n, size_j)`` array), which its torch copies need; a payload is then a part per
-piece.  On CPU a batch's copy rows come from one table of every group's pieces (a few array
-operations a batch, whatever its groups: a step saves a block of each of several groups) and the
-copies are one call into the Rust core; on CUDA they are batched per piece and group.  Never one
-Python call per block.
+us of client CPU over TCP, half a one-part 8 KiB value's put; ``benches/mooncake_parts.py``).
+A batch's copies are one table of every group's pieces (a few array operations a batch,
+whatever its groups: a step saves a block of each of several groups), never one Python call
+per block.
 
 The pool has a share for loads that saves cannot take (``StagingPool(load_bytes=...)``), so
 saves in flight never starve a load; ``staging_bytes_for`` sizes a pool for one step.
 
 On CPU the copies are raw region copies in the Rust core, synchronous (the fence is complete
-on return).  On CUDA they run on a side stream ordered after the caller's stream (or an event
-of it, ``after=``): device -> host is a device-side gather into a temporary then one
-``copy_(non_blocking=True)`` into pinned memory; host -> device is the reverse.  The returned
-:class:`Fence` holds a CUDA event; the caller's stream must wait for a gather's fence before it
-overwrites the blocks (``Fence.wait_stream``, no host sync).
+on return).  On CUDA they are the copy kernels of :mod:`kvstride.arena.device`, on side streams
+(one for gathers, one for scatters) ordered after the caller's stream (or an event of it,
+``after=``), in chunks of at most ``CHUNK_BYTES``: a gather copies the blocks into device
+staging laid out as the pool is (every core helping), then a kernel drains it into the pinned
+pool; a scatter copies the pool's range into device staging (the copy engine), then a kernel
+scatters it into the blocks.  The returned :class:`Fence` holds CUDA events: the caller's
+stream must wait for a gather's reads before it overwrites the blocks (``Fence.wait_stream``, no
+host sync), and the host for all of it before the store reads the pool (``Fence.wait``).
 
-With ``Transfer.header_room`` set (the engine sets it on CPU for a store that takes it,
+With ``Transfer.header_room`` set (the engine sets it for a store that takes it,
 ``KVStore.takes_header_room``), each entry is staged after that many free bytes, room for the
 store's value header (``StagedBatch.value_parts``): the store then moves header and payload as
-one part. (Not on CUDA: its copies are torch ops over contiguous piece arrays.)
+one part.
 
 Scatter takes a per-entry mask (the store's statuses): entries that were not read correctly
 are never copied into a KV block.
@@ -37,11 +37,12 @@ from __future__ import annotations
 import threading
 import weakref
 from dataclasses import dataclass, field
-from typing import Optional, Sequence, Tuple
+from typing import List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
 
+from .arena.device import CHUNK_BYTES, BlockKernels, chunk_sizes, on_side_stream, recorded
 from .copies import PieceTable
 from .layout import KVLayout
 from .stores.base import HEADER_BYTES, _with_header_room
@@ -52,18 +53,9 @@ __all__ = ["StagingPool", "StagedBatch", "Transfer", "Fence", "staging_bytes_for
 ALIGNMENT = 64
 
 
-def _row_bytes(pieces, room: int) -> list:
-    """Per piece, the staged bytes of one entry: the piece, and the header room before the first."""
-    return [p.size + (room if j == 0 else 0) for j, p in enumerate(pieces)]
-
-
-def _run_bytes(pieces, room: int, n: int, whole_entries: bool) -> int:
-    """Pool bytes of ``n`` entries of a group: whole entries each at the pool's alignment, or
-    each piece's ``(n, size)`` array at it (piece-major)."""
-    rows = _row_bytes(pieces, room)
-    if whole_entries:
-        return n * _round(sum(rows))
-    return sum(_round(n * row) for row in rows)
+def _entry_bytes(payload: int, room: int) -> int:
+    """Pool bytes of one staged entry: the header room, then the payload, at the pool's alignment."""
+    return _round(room + payload)
 
 
 def _round(n: int, a: int = ALIGNMENT) -> int:
@@ -172,11 +164,10 @@ class StagingPool:
             self._free = merged
 
 
-def header_room_for(store, layout: KVLayout) -> int:
+def header_room_for(store) -> int:
     """Bytes staged before each block's first piece for ``store``: room for the value header
-    where the store writes it next to the payload (``KVStore.takes_header_room``) and the
-    copies run on CPU (the CUDA copies keep contiguous piece arrays); else 0."""
-    return HEADER_BYTES if not layout.on_cuda and getattr(store, "takes_header_room", False) else 0
+    where the store writes it next to the payload (``KVStore.takes_header_room``), else 0."""
+    return HEADER_BYTES if getattr(store, "takes_header_room", False) else 0
 
 
 def staging_bytes_for(layout: KVLayout, tokens_per_step: int, planner, header_room: int = 0) -> int:
@@ -188,8 +179,7 @@ def staging_bytes_for(layout: KVLayout, tokens_per_step: int, planner, header_ro
     step, a partial-tail boundary included. So each group the planner keys
     (``planner.hashes_per_block[g] > 0``; scratch rings are never staged) puts at most
     ``cdiv(T + S - 1, B_g)`` blocks, or hand-off states, of which this rank puts its share under
-    TP striding (``planner.replication``), each entry (CPU) or each group's piece array (CUDA) at the
-    pool's alignment. The pool gives saves at least that and loads ``LOAD_SHARE`` of it, at least one
+    TP striding (``planner.replication``), each entry at the pool's alignment. The pool gives saves at least that and loads ``LOAD_SHARE`` of it, at least one
     block of every group. A step whose saves exceed it (many requests crossing a block boundary
     at once) still saves: its batches stream through the pool. ``header_room``: what the
     engine will stage before each block (``header_room_for``)."""
@@ -203,9 +193,9 @@ def staging_bytes_for(layout: KVLayout, tokens_per_step: int, planner, header_ro
         if not per_block:
             continue
         blocks = _cdiv(_cdiv(reach, per_block * planner.hash_block_size), planner.replication(g))
-        # Sized for either layout (whole entries on CPU, piece-major on CUDA).
-        save += max(_run_bytes(group.pieces, header_room, blocks, whole) for whole in (True, False))
-        largest = max(largest, _run_bytes(group.pieces, header_room, 1, False))
+        entry = _entry_bytes(group.block_bytes, header_room)
+        save += blocks * entry
+        largest = max(largest, entry)
     save = max(save, largest)
     capacity = _round(max(int(save / (1 - LOAD_SHARE)), int(largest / LOAD_SHARE)))
     while capacity - _load_share(capacity) < save or _load_share(capacity) < largest:
@@ -214,10 +204,12 @@ def staging_bytes_for(layout: KVLayout, tokens_per_step: int, planner, header_ro
 
 
 class Fence:
-    """Completion of a gather or scatter.  CPU: complete on return.  CUDA: a recorded event."""
+    """Completion of a gather or scatter.  CPU: complete on return.  CUDA: recorded events, of
+    the whole copy and (a gather) of its reads of the KV blocks."""
 
-    def __init__(self, event=None) -> None:
+    def __init__(self, event=None, read=None) -> None:
         self._event = event
+        self._read = read if read is not None else event
 
     def wait(self) -> None:
         """Block the calling thread until the copies are finished."""
@@ -225,20 +217,10 @@ class Fence:
             self._event.synchronize()
 
     def wait_stream(self, stream=None) -> None:
-        """Make ``stream`` (default: the current CUDA stream) wait, without blocking the host."""
-        if self._event is not None:
-            (stream or torch.cuda.current_stream()).wait_event(self._event)
-
-
-@dataclass
-class _GroupRun:
-    """(Piece-major, CUDA) One group's entries of a batch."""
-
-    group: int
-    rows: list  # indices into StagedBatch.blocks
-    ids: torch.Tensor  # int64 block ids (CPU)
-    piece_offs: list  # pool offset of each piece's bytes in the first entry's row
-    row_bytes: list  # per piece, the pool bytes from one entry's row to the next
+        """Make ``stream`` (default: the current CUDA stream) wait for the copies' reads of the
+        KV blocks (a gather) or for the copies (a scatter), without blocking the host."""
+        if self._read is not None:
+            (stream or torch.cuda.current_stream()).wait_event(self._read)
 
 
 @dataclass
@@ -251,7 +233,6 @@ class StagedBatch:
     blocks: list  # [(group, block_id)]
     offset: int
     nbytes: int
-    runs: list = field(default_factory=list)  # piece-major (CUDA) only: one _GroupRun per group
     _parts: list = field(default_factory=list)
     _released: bool = False
     digests: Optional[np.ndarray] = None  # per entry, set by gather(digests=True)
@@ -292,92 +273,52 @@ class StagedBatch:
         self.release()
 
 
-def _wide_dtype(*values: int):
-    """The widest integer dtype whose size divides every value (index_copy_ is per element)."""
-    for dt, w in ((torch.int64, 8), (torch.int32, 4), (torch.int16, 2)):
-        if all(v % w == 0 for v in values):
-            return dt, w
-    return torch.uint8, 1
-
-
 class Transfer:
-    """Gathers / scatters staged blocks between ``layout``'s KV tensors and ``pool``."""
+    """Gathers / scatters staged blocks between ``layout``'s KV tensors and ``pool``.
 
-    def __init__(self, layout: KVLayout, pool: StagingPool, *, stream=None) -> None:
+    ``kernels``: copy with the device copy kernels (default on CUDA; True on CPU runs them under
+    Triton's interpreter, for tests), else the Rust region copier. ``chunk_bytes``: the most a
+    copy stages on the device at once."""
+
+    def __init__(self, layout: KVLayout, pool: StagingPool, *, stream=None, kernels: Optional[bool] = None,
+                 chunk_bytes: int = CHUNK_BYTES) -> None:
         self.layout = layout
         self.mac_secret = None  # a StoreSecret: CPU digests are keyed payload tags (the store's MAC)
         self.pool = pool
         self.device = layout.device or torch.device("cpu")
         self.cuda = layout.on_cuda
-        self.header_room = 0  # CPU only: free bytes staged before each entry (make_header_room_for)
+        self.header_room = 0  # free bytes staged before each entry (make_header_room_for)
+        # Gathers run on ``stream``, scatters on a stream of their own: a load never waits behind a save.
         self.stream = (stream or torch.cuda.Stream(device=self.device)) if self.cuda else None
-        # Per storage, per dtype width: a flat tensor over the whole storage.
-        self._wide: dict = {}
-        # Per group: per piece, (view over all blocks as (num_blocks, size/w), dtype, w)
-        self._views = [[self._piece_view(p, g.num_blocks) for p in g.pieces] for g in layout.groups]
-        self._pool_views: dict = {}
-        self._pieces = None if self.cuda else PieceTable(layout)  # the CPU copies' rows
-
-    def _flat(self, storage: int, dtype, w: int) -> torch.Tensor:
-        key = (storage, w)
-        if key not in self._wide:
-            u8 = self.layout.storages[storage]
-            n = u8.numel() // w
-            self._wide[key] = torch.empty(0, dtype=dtype, device=u8.device).set_(u8.untyped_storage(), 0, (n,), (1,))
-        return self._wide[key]
-
-    def _piece_view(self, p, num_blocks: int):
-        base = self.layout.storages[p.storage].data_ptr()
-        dtype, w = _wide_dtype(p.offset, p.size, p.stride, base)
-        flat = self._flat(p.storage, dtype, w)
-        return flat.as_strided((num_blocks, p.size // w), (p.stride // w, 1), p.offset // w)
-
-    def _pool_rows(self, off: int, n: int, size: int, dtype) -> torch.Tensor:
-        """(n, size) bytes of the pool at ``off`` as a ``dtype`` matrix (offsets are 64-aligned)."""
-        pv = self._pool_views.get(dtype)
-        if pv is None:
-            t = self.pool.tensor
-            w = torch.empty(0, dtype=dtype).element_size()
-            pv = torch.empty(0, dtype=dtype).set_(t.untyped_storage(), 0, (t.numel() // w,), (1,))
-            self._pool_views[dtype] = pv
-        w = pv.element_size()
-        return pv.as_strided((n, size // w), (size // w, 1), off // w)
-
-    @property
-    def whole_entries(self) -> bool:
-        """CPU: each entry's pieces back to back (module docstring); CUDA: piece-major."""
-        return not self.cuda
+        self._scatter_stream = torch.cuda.Stream(device=self.device) if self.cuda else None
+        self._pieces = PieceTable(layout)
+        self._payload_bytes = np.array([g.block_bytes for g in layout.groups], dtype=np.int64)
+        self.chunk_bytes = int(chunk_bytes)
+        self.kernels: Optional[BlockKernels] = None
+        if self.cuda if kernels is None else kernels:
+            self.kernels = BlockKernels(layout, self._pieces, self.device, [pool.ptr, ALIGNMENT, HEADER_BYTES])
 
     def make_header_room_for(self, store) -> None:
         """Stage room for ``store``'s value header before each entry from now on
         (``header_room_for``); the engine calls it once, before its first stage."""
-        self.header_room = header_room_for(store, self.layout)
+        self.header_room = header_room_for(store)
 
     # ---- staging -----------------------------------------------------------------------
 
     def staged_bytes(self, blocks: Sequence[tuple]) -> int:
         """Pool bytes ``stage(blocks)`` needs."""
-        counts: dict = {}
-        for g, _ in blocks:
-            counts[g] = counts.get(g, 0) + 1
-        total = 0
-        for g, n in counts.items():
-            total += _run_bytes(self.layout.groups[g].pieces, self.header_room, n, self.whole_entries)
-        return total
+        return sum(_entry_bytes(int(self._payload_bytes[g]), self.header_room) for g, _ in blocks)
 
     def staged_bytes_bound(self, group: int) -> Tuple[int, int]:
         """``(per_entry, per_run)``: ``staged_bytes`` of ``n`` entries of ``group`` in one batch
-        is at most ``n * per_entry + per_run`` (whole entries are each aligned; piece arrays
-        each add at most the alignment)."""
-        pieces = self.layout.groups[group].pieces
-        if self.whole_entries:
-            return _run_bytes(pieces, self.header_room, 1, True), 0
-        return sum(_row_bytes(pieces, self.header_room)), ALIGNMENT * len(pieces)
+        is at most ``n * per_entry + per_run`` (each entry is aligned on its own)."""
+        return _entry_bytes(int(self._payload_bytes[group]), self.header_room), 0
 
     def stage(self, blocks: Sequence[tuple], lane: Optional[str] = None) -> Optional[StagedBatch]:
         """Reserve room for ``blocks`` ([(group, block_id)]) in ``lane``'s share of the pool
         (see :meth:`StagingPool.alloc`), or None if it is too full (split the batch, or wait
-        for an earlier one to be released)."""
+        for an earlier one to be released). Each entry whole at the pool's alignment: the
+        header room, then the group's pieces back to back; one payload part per entry."""
         blocks = [(int(g), int(b)) for g, b in blocks]
         groups = self.layout.groups
         for g, b in blocks:
@@ -385,48 +326,17 @@ class Transfer:
                 raise ValueError(f"group {g} out of range (layout has {len(groups)} groups)")
             if not 0 <= b < groups[g].num_blocks:
                 raise ValueError(f"block id {b} out of range for group {g} ({groups[g].num_blocks} blocks)")
-        if self.whole_entries:
-            return self._stage_whole_entries(blocks, lane)
-        by_group: dict = {}
-        for i, (g, _) in enumerate(blocks):
-            by_group.setdefault(g, []).append(i)
-        nbytes = self.staged_bytes(blocks)
-        off = self.pool.alloc(nbytes, lane)
-        if off is None:
-            return None
-        room = self.header_room
-        batch = StagedBatch(self.pool, blocks, off, nbytes, header_room=room)
-        batch._parts = [None] * len(blocks)
-        cur = off
-        base = self.pool.ptr
-        for g, rows in by_group.items():  # piece-major: per piece, the run's blocks as one array
-            n = len(rows)
-            ids = torch.tensor([blocks[i][1] for i in rows], dtype=torch.int64)
-            sizes = [p.size for p in groups[g].pieces]
-            row_bytes = _row_bytes(groups[g].pieces, room)
-            piece_offs = []
-            for size, row in zip(sizes, row_bytes):
-                piece_offs.append(cur + row - size)  # after the header room
-                cur += _round(n * row)
-            for k, i in enumerate(rows):
-                batch._parts[i] = [(base + po + k * row, s) for po, row, s in zip(piece_offs, row_bytes, sizes)]
-            batch.runs.append(_GroupRun(g, rows, ids, piece_offs, row_bytes))
-        return batch
-
-    def _stage_whole_entries(self, blocks: list, lane: Optional[str]) -> Optional[StagedBatch]:
-        """(CPU) Each entry whole at the pool's alignment: the header room, then the group's
-        pieces back to back; one payload part per entry."""
-        room, payload = self.header_room, [g.block_bytes for g in self.layout.groups]
+        room, payload = self.header_room, self._payload_bytes
         starts, nbytes = [], 0
         for g, _ in blocks:
             starts.append(nbytes)
-            nbytes += _round(room + payload[g])
+            nbytes += _entry_bytes(int(payload[g]), room)
         off = self.pool.alloc(nbytes, lane)
         if off is None:
             return None
         batch = StagedBatch(self.pool, blocks, off, nbytes, header_room=room)
         first = self.pool.ptr + off + room
-        batch._parts = [[(first + start, payload[g])] for (g, _), start in zip(blocks, starts)]
+        batch._parts = [[(first + start, int(payload[g]))] for (g, _), start in zip(blocks, starts)]
         return batch
 
     # ---- copies ------------------------------------------------------------------------
@@ -434,33 +344,17 @@ class Transfer:
     def current_stream_event(self):
         """(CUDA) An event recorded on the calling thread's current stream, None on CPU: copies
         run later on another thread are ordered after it with ``after=``."""
-        if not self.cuda:
-            return None
-        ev = torch.cuda.Event()
-        ev.record(torch.cuda.current_stream(self.device))
-        return ev
+        return recorded(torch.cuda.current_stream(self.device)) if self.cuda else None
 
-    def _side_stream(self, after=None):
-        """(CUDA) The side stream, ordered after ``after`` (an event), else after the work the
-        current stream has queued (the KV was written there)."""
-        self.stream.wait_event(after if after is not None else self.current_stream_event())
-        return torch.cuda.stream(self.stream)
-
-    def _fence(self) -> Fence:
-        ev = torch.cuda.Event()
-        ev.record(self.stream)
-        return Fence(ev)
-
-    def _cpu_rows(self, batch: StagedBatch, ok: Optional[Sequence[bool]] = None):
-        """The batch's entries (those with ``ok[i]``; whole entries) as rows for the Rust
-        copies: per piece the KV address, the staging address and the size, entry by entry
-        (``row_start``), and the entry index of each row; None without an entry."""
+    def _entries(self, batch: StagedBatch, ok: Optional[Sequence[bool]] = None):
+        """The batch's entries (those with ``ok[i]``) as arrays: index, group, block id and
+        payload address; None without an entry."""
         order = np.arange(len(batch.blocks)) if ok is None else np.flatnonzero(np.asarray(ok, dtype=bool))
         if not len(order):
             return None
         blocks = np.asarray(batch.blocks, dtype=np.int64)[order]
         payloads = np.array([batch._parts[i][0][0] for i in order], dtype=np.uint64)
-        return (*self._pieces.rows(blocks[:, 0], blocks[:, 1], payloads), order)
+        return order, blocks[:, 0], blocks[:, 1], payloads
 
     def _cpu_copy(self, batch: StagedBatch, to_pool: bool, ok=None, digests: bool = False, expected=None) -> Fence:
         """Both directions on CPU: raw region copies in the Rust core, GIL released. Not
@@ -473,14 +367,15 @@ class Transfer:
         deployment secret) the digest is the keyed payload tag of the value's MAC instead."""
         from kvstride import _core
 
-        rows = self._cpu_rows(batch, ok)
+        entries = self._entries(batch, ok)
         if digests:
             batch.digests = np.zeros(len(batch.blocks), dtype=np.uint64)
         if expected is not None:
             batch.verified = np.zeros(len(batch.blocks), dtype=bool)
-        if rows is None:
+        if entries is None:
             return Fence()
-        kv, pool, length, row_start, order = rows
+        order, groups, block_ids, payloads = entries
+        kv, pool, length, row_start = self._pieces.rows(groups, block_ids, payloads)
         if digests:
             batch.digests[order] = _core._save_rows(kv, pool, length, row_start, self.mac_secret)
         elif expected is not None:
@@ -490,48 +385,86 @@ class Transfer:
             _core._copy_regions(*((kv, pool) if to_pool else (pool, kv)), length)
         return Fence()
 
+    def _chunks(self, batch: StagedBatch, payloads: np.ndarray, growing: bool) -> List[Tuple[int, int, int, int]]:
+        """The batch cut into chunks of whole entries of at most ``chunk_bytes`` each (an entry
+        larger than that alone): ``(first entry, end entry, pool offset, bytes)`` per chunk, the
+        smaller chunks first (``growing``) or last (``chunk_sizes``)."""
+        starts = payloads - np.uint64(self.pool.ptr + self.header_room)  # pool offsets of the entries
+        ends = np.append(starts[1:], np.uint64(batch.offset + batch.nbytes))
+        per_entry = int((ends - starts).max())
+        counts = chunk_sizes(len(payloads), max(1, self.chunk_bytes // per_entry), growing)
+        bounds = np.cumsum([0, *counts])
+        return [(int(a), int(b), int(starts[a]), int(ends[b - 1] - starts[a])) for a, b in zip(bounds[:-1], bounds[1:])]
+
+    def _kernel_gather(self, batch: StagedBatch) -> Fence:
+        """KV blocks -> device staging laid out as the pool (every core helping) -> the pool, chunk
+        by chunk on the gather stream; the fence's read event follows the last chunk's gather."""
+        _, groups, block_ids, payloads = self._entries(batch)
+        kernels, read = self.kernels, None
+        with on_side_stream(self.stream):
+            chunks = self._chunks(batch, payloads, growing=False)
+            staging = torch.empty(max(nbytes for *_, nbytes in chunks), dtype=torch.uint8, device=self.device)
+            staged = np.zeros(len(payloads), dtype=np.uint64)
+            for first, end, offset, _ in chunks:
+                staged[first:end] = staging.data_ptr() + (payloads[first:end] - np.uint64(self.pool.ptr + offset))
+            # Rows: the blocks' table, then one drain row per chunk (the chunk's pool range at once).
+            drains = np.zeros((3, len(payloads)), dtype=np.uint64)
+            for k, (_, _, offset, nbytes) in enumerate(chunks):
+                drains[:, k] = (staging.data_ptr(), self.pool.ptr + offset, nbytes // kernels.width)
+            table = kernels.table(groups, block_ids, staged, *drains)
+            for k, (first, end, _, nbytes) in enumerate(chunks):
+                kernels.blocks(table, groups, first, end - first, True, kernels.device_programs)
+                read = recorded(self.stream)
+                # A kernel, not the copy engine: a launch costs the caller the same at any size.
+                kernels.rows(table[3:], k, 1, nbytes, kernels.programs)
+            return Fence(recorded(self.stream), read)
+
+    def _kernel_scatter(self, batch: StagedBatch, ok, after) -> Fence:
+        """The pool -> device staging (the copy engine, one copy a chunk) -> the blocks of the
+        entries with ``ok``, chunk by chunk on the scatter stream."""
+        payloads = self._entries(batch)[3]
+        entries = self._entries(batch, ok)
+        if entries is None:
+            return Fence()
+        kept, groups, block_ids, _ = entries
+        kernels = self.kernels
+        with on_side_stream(self._scatter_stream, after):
+            chunks = self._chunks(batch, payloads, growing=True)
+            staging = torch.empty(max(nbytes for *_, nbytes in chunks), dtype=torch.uint8, device=self.device)
+            chunk_of = np.repeat(np.arange(len(chunks)), [end - first for first, end, _, _ in chunks])[kept]
+            offsets = np.array([offset for _, _, offset, _ in chunks], dtype=np.uint64)[chunk_of]
+            staged = staging.data_ptr() + (payloads[kept] - np.uint64(self.pool.ptr) - offsets)
+            table = kernels.table(groups, block_ids, staged)
+            bounds = np.searchsorted(chunk_of, np.arange(len(chunks) + 1))
+            for k, (_, _, offset, nbytes) in enumerate(chunks):
+                if bounds[k] == bounds[k + 1]:
+                    continue
+                staging[:nbytes].copy_(self.pool.tensor[offset:offset + nbytes], non_blocking=True)
+                kernels.blocks(table, groups, int(bounds[k]), int(bounds[k + 1] - bounds[k]), False,
+                               kernels.device_programs)
+            return Fence(recorded(self._scatter_stream))
+
     def gather(self, batch: StagedBatch, *, digests: bool = False) -> Fence:
-        """KV blocks -> staging. ``digests`` (CPU only): also set ``batch.digests``, each
-        entry's XXH3-64 (the store's payload hash), computed while the bytes are in cache.
+        """KV blocks -> staging. ``digests`` (the Rust copier only): also set ``batch.digests``,
+        each entry's XXH3-64 (the store's payload hash), computed while the bytes are in cache.
         CUDA: the blocks are read on the side stream; the caller's stream must wait for the
         fence (``Fence.wait_stream``) before it writes them again."""
-        if not self.cuda:
+        if self.kernels is None:
             return self._cpu_copy(batch, to_pool=True, digests=digests)
         if digests:
-            raise ValueError("digests during the gather are computed on CPU KV caches only")
-        with self._side_stream():
-            for run in batch.runs:
-                n = len(run.rows)
-                ids = run.ids.to(self.device, non_blocking=True)
-                for view, po, p in zip(self._views[run.group], run.piece_offs, self.layout.groups[run.group].pieces):
-                    self._pool_rows(po, n, p.size, view.dtype).copy_(view.index_select(0, ids), non_blocking=True)
-        return self._fence()
+            raise ValueError("digests during the gather are computed by the Rust copier on CPU KV caches only")
+        if not batch.blocks:
+            return Fence()
+        return self._kernel_gather(batch)
 
     def scatter(self, batch: StagedBatch, ok: Optional[Sequence[bool]] = None, *, expected=None, after=None) -> Fence:
         """Staging -> KV blocks, only for entries with ``ok[i]`` true (default: all).
-        ``expected`` (CPU only): the XXH3-64 each entry's staged bytes must have; an entry
-        whose bytes differ is not written, and ``batch.verified`` tells which were.
+        ``expected`` (the Rust copier only): the XXH3-64 each entry's staged bytes must have; an
+        entry whose bytes differ is not written, and ``batch.verified`` tells which were.
         ``after`` (CUDA): an event from :meth:`current_stream_event` on the stream whose pending
         work the writes must follow (default: the calling thread's current stream)."""
-        if not self.cuda:
+        if self.kernels is None:
             return self._cpu_copy(batch, to_pool=False, ok=ok, expected=expected)
         if expected is not None:
-            raise ValueError("digest-checked scatters run on CPU KV caches only")
-        with self._side_stream(after):
-            for run in batch.runs:
-                n = len(run.rows)
-                sel = None
-                if ok is not None:
-                    keep = [k for k, i in enumerate(run.rows) if ok[i]]
-                    if not keep:
-                        continue
-                    if len(keep) < n:
-                        sel = torch.tensor(keep, dtype=torch.int64)
-                ids = (run.ids if sel is None else run.ids.index_select(0, sel)).to(self.device, non_blocking=True)
-                dsel = None if sel is None else sel.to(self.device, non_blocking=True)
-                for view, po, p in zip(self._views[run.group], run.piece_offs, self.layout.groups[run.group].pieces):
-                    src = self._pool_rows(po, n, p.size, view.dtype).to(self.device, non_blocking=True)
-                    if dsel is not None:
-                        src = src.index_select(0, dsel)
-                    view.index_copy_(0, ids, src)
-        return self._fence()
+            raise ValueError("digest-checked scatters run on the Rust copier on CPU KV caches only")
+        return self._kernel_scatter(batch, ok, after)

@@ -32,6 +32,7 @@ themselves are checked on CPU memory by Triton's interpreter, and on CUDA by the
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from typing import Callable, List, Optional, Tuple
 
@@ -41,7 +42,7 @@ import torch
 from kvstride import _core
 from kvstride.copies import PieceTable
 
-__all__ = ["DeviceCopier", "CHUNK_BYTES", "COPY_PROGRAMS", "DMA_RUNS", "access_width", "copy_rows", "launch_copy_rows", "slot_runs"]
+__all__ = ["BlockKernels", "DeviceCopier", "chunk_sizes", "on_side_stream", "recorded", "CHUNK_BYTES", "COPY_PROGRAMS", "DMA_RUNS", "access_width", "copy_rows", "launch_copy_rows", "slot_runs"]
 
 #: One chunk at most: a save's device staging, and the bytes whose digests are computed (saves)
 #: or checked (loads) while the previous or next chunk copies.
@@ -188,6 +189,75 @@ def slot_runs(slots: np.ndarray) -> List[Tuple[int, int, int]]:
     return [(int(a), int(slots[a]), int(b - a)) for a, b in zip(starts, ends)]
 
 
+class BlockKernels:
+    """The copy kernels bound to one KV layout: its pieces' table on ``device`` and the widest
+    access every piece allows, together with ``aligned`` (the other addresses and strides the
+    rows will use: a host buffer's address, its slot or entry size). Used by the arena's
+    copier and by the staging pool's transfers."""
+
+    def __init__(self, layout, pieces: PieceTable, device: torch.device, aligned=(), programs: int = COPY_PROGRAMS) -> None:
+        self.pieces = pieces
+        self.device = device
+        self.programs = int(programs)
+        # Copies between device staging and the KV cache stay on the device: every core may help.
+        self.device_programs = self.programs
+        if device.type == "cuda":
+            self.device_programs = max(self.programs, 2 * torch.cuda.get_device_properties(device).multi_processor_count)
+        block_bytes = [g.block_bytes for g in layout.groups]
+        # Device staging rows start at multiples of 512 bytes from the caching allocator's blocks.
+        self.width, self.vec = access_width(pieces.base, pieces.stride, pieces.size, pieces.start, block_bytes,
+                                            [*aligned, 512])
+        self._piece_table = _on(device, np.stack([pieces.base, pieces.stride, pieces.size // np.uint64(self.width),
+                                                  pieces.start]))
+        self._origin = self._piece_table.view(_ELEMENTS[self.width])
+        self._group_table = _on(device, np.stack([pieces.first, pieces.count]))
+        self._tiles_per_piece = -(-int(pieces.size.max(initial=1)) // self.width // _TILE)
+
+    def table(self, *rows: np.ndarray) -> torch.Tensor:
+        """Rows of an op's table (uint64 arrays of one length) on the device."""
+        return _on(self.device, np.stack([np.asarray(r).astype(np.uint64) for r in rows]))
+
+    def blocks(self, table: torch.Tensor, groups: np.ndarray, first: int, count: int, to_entries: bool,
+               programs: int) -> None:
+        """Copy every piece of the blocks in columns ``first`` to ``first + count`` of ``table``
+        (rows: group, block id, entry address; ``groups`` the group row on the host) to
+        (``to_entries``) or from their entries, where their pieces lie back to back."""
+        if not count:
+            return
+        _, copy_blocks_kernel = _kernels()
+        per_entry = int(self.pieces.count[groups[first:first + count]].max())
+        copy_blocks_kernel[_programs(programs, count * per_entry * self._tiles_per_piece)](
+            self._origin, self._piece_table.data_ptr(), table, table.shape[1], first, count, self._tiles_per_piece,
+            self._piece_table, self._piece_table.shape[1], self._group_table, self._group_table.shape[1], per_entry,
+            TO_SLOTS=to_entries, W=self.width, VEC=self.vec, TILE=_TILE)
+
+    def rows(self, table: torch.Tensor, first: int, count: int, longest: int, programs: int) -> None:
+        """The rows kernel over columns ``first`` to ``first + count`` of ``table`` (rows: sources,
+        destinations, lengths in ``width``-byte elements); ``longest``: the longest, in bytes."""
+        launch_copy_rows(self._piece_table, table, first, count, self.width, self.vec, longest // self.width, programs)
+
+
+def on_side_stream(stream, after=None):
+    """``stream``, ordered after the event ``after`` (default: the work queued on the calling
+    thread's current stream), as a context; a no-op without a stream (CPU)."""
+    if stream is None:
+        return contextlib.nullcontext()
+    if after is not None:
+        stream.wait_event(after)
+    else:
+        stream.wait_stream(torch.cuda.current_stream(stream.device))
+    return torch.cuda.stream(stream)
+
+
+def recorded(stream) -> Optional["torch.cuda.Event"]:
+    """An event recorded on ``stream`` now (None without a stream)."""
+    if stream is None:
+        return None
+    event = torch.cuda.Event()
+    event.record(stream)
+    return event
+
+
 class DeviceCopier:
     """Copies blocks between the device KV cache of ``layout`` and the host buffer ``host``
     (uint8, one ``slot_bytes`` slot after another; pinned for CUDA), a block's pieces back to
@@ -204,40 +274,25 @@ class DeviceCopier:
         self.pieces = pieces
         self.block_bytes = np.array([g.block_bytes for g in layout.groups], dtype=np.uint64)
         self.chunk_slots = max(1, int(chunk_bytes) // self.slot_bytes)
-        self.programs = int(programs)
         self.dma_runs = int(dma_runs)
         cuda = self.device.type == "cuda"
         self._save_stream = torch.cuda.Stream(self.device) if cuda else None
         self._load_stream = torch.cuda.Stream(self.device) if cuda else None
         # The copy kernels (default on CUDA; on CPU under Triton's interpreter, for tests), else
         # the Rust region copier.
-        self._kernel_on = self.device if (cuda if kernels is None else kernels) else None
-        self.width, self.vec = 1, 1
-        # Copies between device staging and the KV cache stay on the device: every core may help.
-        self._device_programs = self.programs
-        if cuda:
-            self._device_programs = max(self.programs, 2 * torch.cuda.get_device_properties(self.device).multi_processor_count)
-        if self._kernel_on is not None:
+        self.kernels = None
+        self.width = 1
+        if cuda if kernels is None else kernels:
             # Slots and staging rows start at multiples of slot_bytes from aligned buffers.
-            self.width, self.vec = access_width(pieces.base, pieces.stride, pieces.size, pieces.start,
-                                                self.block_bytes, [host.data_ptr(), slot_bytes, 512])
-            self._piece_table = _on(self.device, np.stack([
-                pieces.base, pieces.stride, pieces.size // np.uint64(self.width), pieces.start]))
-            self._group_table = _on(self.device, np.stack([pieces.first, pieces.count]))
-            self._tiles_per_piece = -(-int(pieces.size.max(initial=1)) // self.width // _TILE)
+            self.kernels = BlockKernels(layout, pieces, self.device, [host.data_ptr(), slot_bytes], programs)
+            self.width = self.kernels.width
 
     def _slot_addresses(self, slots: np.ndarray) -> np.ndarray:
         return np.uint64(self.host.data_ptr()) + slots.astype(np.uint64) * np.uint64(self.slot_bytes)
 
     def _chunks(self, count: int, growing: bool) -> List[np.ndarray]:
-        """Positions ``0..count`` cut into chunks of at most ``chunk_slots``: the first ones
-        small and doubling (``growing``: the host's first check waits for nobody), or the last
-        ones (else: the host's last digests trail the last copy by little)."""
-        sizes, size = [], max(1, self.chunk_slots // 4)
-        while count > sum(sizes):
-            sizes.append(min(size, count - sum(sizes)))
-            size = min(2 * size, self.chunk_slots)
-        bounds = np.cumsum([0, *(sizes if growing else sizes[::-1])])
+        """Positions ``0..count`` cut into chunks of at most ``chunk_slots`` (``chunk_sizes``)."""
+        bounds = np.cumsum([0, *chunk_sizes(count, self.chunk_slots, growing)])
         return [np.arange(a, b) for a, b in zip(bounds[:-1], bounds[1:])]
 
     def _staging(self, parts: List[np.ndarray]) -> Tuple[torch.Tensor, np.ndarray]:
@@ -249,27 +304,23 @@ class DeviceCopier:
 
     def _table(self, *rows: np.ndarray) -> Optional[torch.Tensor]:
         """Rows of an op's table on the device, for the kernels (None without them)."""
-        return None if self._kernel_on is None else _on(self._kernel_on, np.stack([r.astype(np.uint64) for r in rows]))
+        return None if self.kernels is None else self.kernels.table(*rows)
 
     def _copy_blocks(self, groups: np.ndarray, block_ids: np.ndarray, entries: np.ndarray, part: np.ndarray,
-                     table: Optional[torch.Tensor], to_entries: bool, programs: int) -> None:
+                     table: Optional[torch.Tensor], to_entries: bool, staged: bool) -> None:
         """Copy every piece of blocks ``(groups[i], block_ids[i])`` for ``i`` in ``part`` (a
         contiguous range) to (``to_entries``) or from ``entries[i]``, where their pieces lie
         back to back: one kernel over those columns of ``table`` (the three arrays on the
-        device), or the Rust region copier."""
+        device; ``staged``: the entries are in device staging, so every core may help), or the
+        Rust region copier."""
         if not len(part):
             return
         if table is None:
             kv, at, length, _ = self.pieces.rows(groups[part], block_ids[part], entries[part])
             _core._copy_regions(*((kv, at) if to_entries else (at, kv)), length)
             return
-        _, copy_blocks_kernel = _kernels()
-        per_entry = int(self.pieces.count[groups[part[0]:part[-1] + 1]].max())
-        origin = self._piece_table
-        copy_blocks_kernel[_programs(programs, len(part) * per_entry * self._tiles_per_piece)](
-            origin.view(_ELEMENTS[self.width]), origin.data_ptr(), table, table.shape[1], int(part[0]), len(part),
-            self._tiles_per_piece, self._piece_table, self._piece_table.shape[1], self._group_table,
-            self._group_table.shape[1], per_entry, TO_SLOTS=to_entries, W=self.width, VEC=self.vec, TILE=_TILE)
+        programs = self.kernels.device_programs if staged else self.kernels.programs
+        self.kernels.blocks(table, groups, int(part[0]), len(part), to_entries, programs)
 
     def _link_runs(self, slots: np.ndarray) -> Optional[List[Tuple[int, int, int]]]:
         """The runs of ``slots`` when the copy engine should move them (few enough that their
@@ -291,30 +342,26 @@ class DeviceCopier:
         chunk: the positions of its entries and an event (CUDA) that completes when their
         bytes are in the host slots, or None when they are (CPU). ``after``: an event the
         gathers follow (default: the work queued on the calling thread's current stream)."""
-        order = np.argsort(slots, kind="stable")
-        slots, groups, block_ids = slots[order], groups[order], block_ids[order]
-        caller = self._caller_stream()
-        positions, events = [], []
-        with self._on_side(self._save_stream, caller, after):
+        caller = torch.cuda.current_stream(self.device) if self._save_stream is not None else None
+        events = []
+        with on_side_stream(self._save_stream, after):
             parts = self._chunks(len(slots), growing=False)
             staging, staged = self._staging(parts)
             into, lengths = self._slot_addresses(slots), self.block_bytes[groups]
             table = self._table(groups, block_ids, staged, staged, into, lengths // np.uint64(self.width))
             for part in parts:
-                self._copy_blocks(groups, block_ids, staged, part, table, True, self._device_programs)
+                self._copy_blocks(groups, block_ids, staged, part, table, True, True)
                 if caller is not None:  # later kernels on the caller's stream wait for the reads alone
-                    gathered = self._done(self._save_stream)
+                    gathered = recorded(self._save_stream)
                     caller.wait_event(gathered)
                     # The stream's order: the previous chunk's drain is done once this gather is.
                     events.append(gathered)
                 if table is None:
                     copy_rows(staged[part], into[part], lengths[part])
                 else:  # a kernel, not the copy engine: a launch costs the caller the same at any size
-                    launch_copy_rows(self._piece_table, table[3:], int(part[0]), len(part), self.width, self.vec,
-                                     int(lengths[part].max()) // self.width, self.programs)
-                positions.append(order[part])
-            events = events[1:] + [self._done(self._save_stream)] if caller is not None else [None] * len(parts)
-        return list(zip(positions, events))
+                    self.kernels.rows(table[3:], int(part[0]), len(part), int(lengths[part].max()), self.kernels.programs)
+            events = events[1:] + [recorded(self._save_stream)] if caller is not None else [None] * len(parts)
+        return list(zip(parts, events))
 
     # ---- loads -------------------------------------------------------------------------
 
@@ -325,13 +372,13 @@ class DeviceCopier:
         chunk copies). Returns which entries were copied and an event (CUDA) that completes
         when every block is written, or None when they are (CPU). ``after``: an event the
         writes follow (default: the work queued on the calling thread's current stream)."""
-        order = np.argsort(slots, kind="stable")
+        order = np.argsort(slots, kind="stable")  # consecutive slots form runs for the copy engine
         slots, groups, block_ids = slots[order], groups[order], block_ids[order]
         copied = np.zeros(len(slots), dtype=bool)
         at = self._slot_addresses(slots)
-        with self._on_side(self._load_stream, self._caller_stream(), after):
+        with on_side_stream(self._load_stream, after):
             parts = self._chunks(len(slots), growing=True)
-            staging, staged = self._staging(parts) if self._kernel_on is not None else (None, None)
+            staging, staged = self._staging(parts) if self.kernels is not None else (None, None)
             table = self._table(groups, block_ids, at) if staging is None else self._table(groups, block_ids, at, groups, block_ids, staged)
             for part in parts:
                 good = check(order[part])
@@ -340,43 +387,22 @@ class DeviceCopier:
                 if runs is not None:  # one copy a run into staging, then a scatter on the device
                     for position, first, count in runs:
                         self._staging_rows(staging, position, count).copy_(self._host_rows(first, count), non_blocking=True)
-                    self._copy_blocks(groups, block_ids, staged, part, table[3:], False, self._device_programs)
+                    self._copy_blocks(groups, block_ids, staged, part, table[3:], False, True)
                 elif good.all():
-                    self._copy_blocks(groups, block_ids, at, part, table, False, self.programs)
+                    self._copy_blocks(groups, block_ids, at, part, table, False, False)
                 elif good.any():  # a table of its own for the entries that passed
                     kept = part[good]
                     self._copy_blocks(groups[kept], block_ids[kept], at[kept], np.arange(len(kept)),
-                                      self._table(groups[kept], block_ids[kept], at[kept]), False, self.programs)
-            return copied, self._done(self._load_stream)
-
-    # ---- helpers -----------------------------------------------------------------------
-
-    def _caller_stream(self):
-        return torch.cuda.current_stream(self.device) if self._save_stream is not None else None
-
-    @staticmethod
-    def _on_side(stream, caller, after):
-        """``stream``, ordered after ``after`` (or the caller's stream); a no-op on CPU."""
-        if stream is None:
-            return _NoStream()
-        if after is not None:
-            stream.wait_event(after)
-        else:
-            stream.wait_stream(caller)
-        return torch.cuda.stream(stream)
-
-    @staticmethod
-    def _done(stream) -> Optional["torch.cuda.Event"]:
-        if stream is None:
-            return None
-        event = torch.cuda.Event()
-        event.record(stream)
-        return event
+                                      self._table(groups[kept], block_ids[kept], at[kept]), False, False)
+            return copied, recorded(self._load_stream)
 
 
-class _NoStream:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
+def chunk_sizes(count: int, largest: int, growing: bool) -> List[int]:
+    """``count`` items cut into chunks of at most ``largest``: the first ones small and doubling
+    (``growing``: a load's host check of its first chunk waits for nobody), or the last ones
+    (else: a save's last digests trail its last copy by little)."""
+    sizes, size = [], max(1, largest // 4)
+    while count > sum(sizes):
+        sizes.append(min(size, count - sum(sizes)))
+        size = min(2 * size, largest)
+    return sizes if growing else sizes[::-1]

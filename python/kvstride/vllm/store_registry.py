@@ -234,7 +234,7 @@ def engine_transfer(store, layout, extra: dict, step_tokens: int, planner):
         staging_bytes = parse_size(extra["staging_bytes"], "staging_bytes")
         why = "staging_bytes"
     else:  # with room for each block's value header where the engine stages one
-        room = header_room_for(store, layout)
+        room = header_room_for(store)
         steps = STEPS_STAGED * staging_bytes_for(layout, step_tokens, planner, room)
         smallest = staging_bytes_for(layout, 1, planner, room)  # a block of every group
         staging_bytes = min(steps, max(STAGING_CAP_BYTES, smallest))
