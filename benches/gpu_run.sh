@@ -1,7 +1,8 @@
 #!/bin/bash
 # The CUDA checks in one run, on a GPU host that may have no network: installs the kvstride wheel
 # (and any other wheels, e.g. cbor2 for the tests) found in WHEELS into a private folder, then runs
-# the CUDA tests and the GPU bench, each log in OUT. Build the wheel from the commit you report
+# the CUDA tests and the GPU bench, each log in OUT; with a Mooncake package among the wheels (and
+# its libraries present), the staged path's rows into a Mooncake master on this host too. Build the wheel from the commit you report
 # (`maturin build --release -o dist`): the logs name the wheel, not the commit.
 #
 #     WHEELS=dist OUT=gpu-results bash benches/gpu_run.sh [extra gpu_engine.py arguments]
@@ -21,4 +22,8 @@ timeout 300 python3 -m pytest -q -p no:cacheprovider tests/test_arena_device.py 
 [ "${PIPESTATUS[0]}" = 0 ] || status=1
 timeout 300 python3 benches/gpu_engine.py "$@" 2>&1 | tee "$out/gpu_engine.txt"
 [ "${PIPESTATUS[0]}" = 0 ] || status=1
+if python3 -c 'import mooncake.store' 2>/dev/null; then
+    timeout 200 python3 benches/gpu_engine.py --geometry llama8b --staged mooncake --staged-only "$@" 2>&1 | tee "$out/gpu_engine_mooncake.txt"
+    [ "${PIPESTATUS[0]}" = 0 ] || status=1
+fi
 exit $status

@@ -205,6 +205,60 @@ def test_cuda_a_forward_right_after_a_load_sees_the_loaded_bytes():
     assert all(torch.equal(a, b) for a, b in zip(got, want))
 
 
+VIRTUAL_MEMORY_KV_CACHE = r"""
+import numpy as np, torch
+from kvstride.arena import HostArena
+from kvstride.layout import KVLayout
+from kvstride.transfer import StagingPool, Transfer
+
+# 32 MiB a layer: each spans several of the allocator's physical allocations, mapped back to back.
+kv = {f"l{i}": torch.empty(2, 512, 16, 8, 128, dtype=torch.bfloat16, device="cuda") for i in range(4)}
+for t in kv.values():
+    segments = [s for s in torch.cuda.memory_snapshot() if s["address"] <= t.data_ptr() < s["address"] + s["total_size"]]
+    assert segments and all(s.get("is_expandable") for s in segments), segments
+    t.view(torch.uint8).copy_(torch.randint(0, 256, t.view(torch.uint8).shape, dtype=torch.uint8, device="cuda"))
+want = {name: t.view(torch.uint8).clone() for name, t in kv.items()}
+layout = KVLayout(kv, [list(kv)])
+slots, blocks, zeros = np.arange(256), np.arange(1, 257), np.zeros(256, dtype=np.int64)
+
+
+def restored() -> bool:
+    torch.cuda.synchronize()
+    return all(torch.equal(t.view(torch.uint8), want[name]) for name, t in kv.items())
+
+
+arena = HostArena(layout, 256)
+arena.save(slots, zeros, blocks)
+for t in kv.values():
+    t[:, 1:257].zero_()
+assert not restored()
+assert arena.load(slots, zeros, blocks).all()
+assert restored(), "the arena's device path"
+transfer = Transfer(layout, StagingPool(160 << 20))
+batch = transfer.stage([(0, int(b)) for b in blocks])
+transfer.gather(batch).wait()
+for t in kv.values():
+    t[:, 1:257].zero_()
+transfer.scatter(batch).wait()
+assert restored(), "the staging pool's device path"
+print("ok")
+"""
+
+
+@cuda
+def test_cuda_a_kv_cache_in_virtual_memory_segments_round_trips():
+    """A KV cache allocated as vLLM's CUDA default does, through CUDA's virtual-memory API (here
+    PyTorch's expandable segments: physical allocations mapped back to back): the arena's and
+    the staging pool's device paths restore every byte."""
+    import subprocess
+    import sys
+
+    env = dict(os.environ, PYTORCH_CUDA_ALLOC_CONF="expandable_segments:True")
+    done = subprocess.run([sys.executable, "-c", VIRTUAL_MEMORY_KV_CACHE], env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert done.stdout.strip() == "ok", done.stderr[-3000:]
+
+
 def test_an_engine_reports_a_device_save_once_its_copies_landed():
     """Through ``OffloadEngine.submit_planned`` (the connector's worker): the device path's save
     is finished by the save lane (on CUDA: after its copies landed, with the digests), then the
