@@ -102,7 +102,9 @@ import numpy as np, torch
 import kvdata
 from test_arena_device import LAYOUTS, _blocks, _entries, _values
 from kvstride.arena import HostArena
+from kvstride import _core
 from kvstride.arena.device import DeviceCopier, copy_rows
+from kvstride.arena.device_xxh3 import launch_xxh3_rows
 from kvstride.layout import KVLayout
 
 src = torch.arange(16384, dtype=torch.int32).view(torch.uint8)
@@ -118,6 +120,21 @@ for unit in (8, 4, 2, 1):
         want[int(b):int(b + n)] = src[int(a):int(a + n)]
     assert torch.equal(dst, want), unit
 
+# XXH3 on the device: the host's digest for lengths around its block (1 KiB) and stripe (64 B) edges.
+lengths = np.array([248, 256, 1000, 1016, 1024, 1032, 1088, 2048, 2056, 4160, 3080, 65536], dtype=np.uint64)
+values = torch.randint(0, 256, (int(lengths.sum()) + 8 * len(lengths),), dtype=torch.uint8)
+addresses = np.uint64(values.data_ptr()) + np.concatenate([[0], np.cumsum(lengths + np.uint64(8))[:-1]]).astype(np.uint64)
+want = _core._xxh3_64_regions(addresses, lengths)
+table = torch.from_numpy(np.stack([addresses, lengths]).view(np.int64))
+digests = torch.zeros(len(lengths), dtype=torch.int64)
+launch_xxh3_rows(values, table, 0, len(lengths), 0, 1, digests)
+assert (digests.numpy().view(np.uint64) == want).all()
+expected = torch.from_numpy(want.view(np.int64).copy())
+expected[3] ^= 1
+launch_xxh3_rows(values, table, 0, len(lengths), 0, 1, digests, expected=expected)
+assert digests.tolist() == [int(i != 3) for i in range(len(lengths))]
+
+hashed_layouts = 0
 for (name, make), dma_runs in itertools.product(LAYOUTS.items(), (0, 8)):  # scattered slots: kernels only
     kv, groups = make()
     layout = KVLayout(kv, groups)
@@ -126,10 +143,12 @@ for (name, make), dma_runs in itertools.product(LAYOUTS.items(), (0, 8)):  # sca
     copier = DeviceCopier(layout, arena.buffer, arena.slot_bytes, arena._pieces, chunk_bytes=3 * arena.slot_bytes,
                           programs=5, kernels=True, dma_runs=dma_runs)
     slots, grps, blocks = _entries(layout, 10, seed=2)
-    assert [len(part) for part, _ in copier.save(slots, grps, blocks)] == [1, 3, 3, 2, 1]  # at most 3, the last ones smaller
+    chunks, found = copier.save(slots, grps, blocks)
+    assert [len(part) for part, _ in chunks] == [1, 3, 3, 2, 1] and found is None  # at most 3, the last ones smaller
     regions.save(slots, grps, blocks)
     assert _values(arena, slots, grps) == _values(regions, slots, grps), name
     saved = _blocks(kv, groups, grps, blocks)
+    saved_by_entry = [_blocks(kv, groups, grps[i:i + 1], blocks[i:i + 1]) for i in range(10)]
     for t in layout.storages:
         t.zero_()
     copied, _ = copier.load(slots, grps, blocks, check=lambda part: part % 4 != 1)
@@ -140,6 +159,28 @@ for (name, make), dma_runs in itertools.product(LAYOUTS.items(), (0, 8)):  # sca
         t.zero_()
     copier.load(slots, grps, blocks, check=lambda part: np.ones(len(part), dtype=bool))
     assert _blocks(kv, groups, grps, blocks) == saved, name
+
+    # Digests on the device: a save's are the host's XXH3 of the slots; a load checks them in
+    # staging and leaves an entry whose slot was corrupted unwritten.
+    copier.digests_on_device = True
+    if not copier.hashes_on_device(grps):
+        continue
+    hashed_layouts += 1
+    _, found = copier.save(slots, grps, blocks, digests=True)
+    assert (found.numpy().view(np.uint64) == regions.digests[slots]).all(), name
+    for t in layout.storages:
+        t.zero_()
+    arena.buffer[int(slots[2]) * arena.slot_bytes + 5] ^= 0xFF
+    copied, _ = copier.load(slots, grps, blocks, check=None, expected=regions.digests[slots])
+    assert (copied == (np.arange(10) != 2)).all(), name
+    entries = [(int(g), int(b)) for g, b in zip(grps, blocks)]
+    for i in range(10):
+        mine = _blocks(kv, groups, grps[i:i + 1], blocks[i:i + 1])
+        if i != 2:
+            assert mine == saved_by_entry[i], (name, i)
+        elif entries.count(entries[2]) == 1:
+            assert all(not any(piece) for piece in mine), name  # never written
+assert hashed_layouts >= 5, hashed_layouts
 print("ok")
 """
 
@@ -147,8 +188,9 @@ print("ok")
 def test_the_copy_kernels_move_every_byte_and_nothing_else():
     """The CUDA copy kernels themselves, run by Triton's interpreter on CPU memory (the
     addresses are host addresses there): rows of each element width, longer and shorter than
-    a tile; the arena's saves and loads through them on every layout, chunked, byte for byte
-    what the region copier writes, entries that fail their check left unwritten."""
+    a tile; XXH3-64 on the device against the host's; the arena's saves and loads through them
+    on every layout, chunked, byte for byte what the region copier writes, entries that fail
+    their check (on the host, or on the device against their digests) left unwritten."""
     import subprocess
     import sys
 
@@ -178,7 +220,7 @@ def test_cuda_a_block_rewritten_right_after_its_save_is_saved_as_it_was():
     kv = {k: v.cuda() for k, v in kv.items()}
     arena = HostArena(KVLayout(kv, groups), 64)
     blocks, zeros = np.arange(64), np.zeros(64, dtype=np.int64)
-    chunks = arena._device.save(blocks, zeros, blocks)
+    chunks, _ = arena._device.save(blocks, zeros, blocks)
     for t in kv.values():
         t.zero_()  # queued on the caller's stream right behind the save
     for _, done in chunks:

@@ -40,6 +40,7 @@ import numpy as np
 import torch
 
 from kvstride import _core
+from kvstride.arena import device_xxh3
 from kvstride.copies import PieceTable
 
 __all__ = ["BlockKernels", "DeviceCopier", "chunk_sizes", "on_side_stream", "recorded", "CHUNK_BYTES", "COPY_PROGRAMS", "DMA_RUNS", "access_width", "copy_rows", "launch_copy_rows", "slot_runs"]
@@ -107,11 +108,11 @@ def _kernels():
 
     @triton.jit(do_not_specialize=runtime_ints)
     def copy_blocks_kernel(origin, origin_addr, table, stride, first, count, tiles, pieces, n_pieces, groups,
-                           n_groups, pieces_per_entry, TO_SLOTS: tl.constexpr, W: tl.constexpr,
-                           VEC: tl.constexpr, TILE: tl.constexpr):
+                           n_groups, pieces_per_entry, flags, TO_SLOTS: tl.constexpr, FLAGS: tl.constexpr,
+                           W: tl.constexpr, VEC: tl.constexpr, TILE: tl.constexpr):
         # table rows: group, block id, slot address. pieces rows: address in block 0, block
         # stride (bytes), size (elements), start in a slot (bytes); groups rows: first piece,
-        # piece count.
+        # piece count. With FLAGS, an entry whose flag (by column) is 0 is left alone.
         pid = tl.program_id(0)
         programs = tl.num_programs(0)
         per_entry = pieces_per_entry * tiles
@@ -120,7 +121,10 @@ def _kernels():
             nth = (work % per_entry) // tiles
             start = (work % tiles) * TILE
             group = tl.load(table + entry)
-            if nth < tl.load(groups + n_groups + group):
+            wanted = nth < tl.load(groups + n_groups + group)
+            if FLAGS:
+                wanted = wanted & (tl.load(flags + entry) != 0)
+            if wanted:
                 piece = tl.load(groups + group) + nth
                 size = tl.multiple_of(tl.load(pieces + 2 * n_pieces + piece), VEC)
                 if start < size:
@@ -209,6 +213,7 @@ class BlockKernels:
                                             [*aligned, 512])
         self._piece_table = _on(device, np.stack([pieces.base, pieces.stride, pieces.size // np.uint64(self.width),
                                                   pieces.start]))
+        self.origin = self._piece_table  # any aligned device tensor: the kernels take addresses as offsets from it
         self._origin = self._piece_table.view(_ELEMENTS[self.width])
         self._group_table = _on(device, np.stack([pieces.first, pieces.count]))
         self._tiles_per_piece = -(-int(pieces.size.max(initial=1)) // self.width // _TILE)
@@ -218,10 +223,11 @@ class BlockKernels:
         return _on(self.device, np.stack([np.asarray(r).astype(np.uint64) for r in rows]))
 
     def blocks(self, table: torch.Tensor, groups: np.ndarray, first: int, count: int, to_entries: bool,
-               programs: int) -> None:
+               programs: int, flags: Optional[torch.Tensor] = None) -> None:
         """Copy every piece of the blocks in columns ``first`` to ``first + count`` of ``table``
         (rows: group, block id, entry address; ``groups`` the group row on the host) to
-        (``to_entries``) or from their entries, where their pieces lie back to back."""
+        (``to_entries``) or from their entries, where their pieces lie back to back; with
+        ``flags`` (a device tensor, by column), only the entries whose flag is not 0."""
         if not count:
             return
         _, copy_blocks_kernel = _kernels()
@@ -229,7 +235,8 @@ class BlockKernels:
         copy_blocks_kernel[_programs(programs, count * per_entry * self._tiles_per_piece)](
             self._origin, self._piece_table.data_ptr(), table, table.shape[1], first, count, self._tiles_per_piece,
             self._piece_table, self._piece_table.shape[1], self._group_table, self._group_table.shape[1], per_entry,
-            TO_SLOTS=to_entries, W=self.width, VEC=self.vec, TILE=_TILE)
+            table if flags is None else flags, TO_SLOTS=to_entries, FLAGS=flags is not None, W=self.width,
+            VEC=self.vec, TILE=_TILE)
 
     def rows(self, table: torch.Tensor, first: int, count: int, longest: int, programs: int) -> None:
         """The rows kernel over columns ``first`` to ``first + count`` of ``table`` (rows: sources,
@@ -266,7 +273,7 @@ class DeviceCopier:
 
     def __init__(self, layout, host: torch.Tensor, slot_bytes: int, pieces: PieceTable,
                  chunk_bytes: int = CHUNK_BYTES, programs: int = COPY_PROGRAMS, kernels: Optional[bool] = None,
-                 dma_runs: int = DMA_RUNS) -> None:
+                 dma_runs: int = DMA_RUNS, digests_on_device: bool = False) -> None:
         self.layout = layout
         self.host = host
         self.slot_bytes = int(slot_bytes)
@@ -286,6 +293,13 @@ class DeviceCopier:
             # Slots and staging rows start at multiples of slot_bytes from aligned buffers.
             self.kernels = BlockKernels(layout, pieces, self.device, [host.data_ptr(), slot_bytes], programs)
             self.width = self.kernels.width
+        # Digests on the device (with the kernels): a save's XXH3 taken from its device staging
+        # and a load's checked there, so that no byte crosses host memory twice. Groups whose
+        # values the XXH3 kernel does not take keep theirs on the host.
+        self.digests_on_device = bool(digests_on_device)
+        self._hashable = np.array([device_xxh3.eligible(int(n)) and self.slot_bytes % 16 == 0 for n in self.block_bytes],
+                                  dtype=bool)
+        self._hash_stream = torch.cuda.Stream(self.device) if cuda else None
 
     def _slot_addresses(self, slots: np.ndarray) -> np.ndarray:
         return np.uint64(self.host.data_ptr()) + slots.astype(np.uint64) * np.uint64(self.slot_bytes)
@@ -336,42 +350,67 @@ class DeviceCopier:
 
     # ---- saves -------------------------------------------------------------------------
 
-    def save(self, slots: np.ndarray, groups: np.ndarray, block_ids: np.ndarray,
-             after=None) -> List[Tuple[np.ndarray, Optional["torch.cuda.Event"]]]:
+    def hashes_on_device(self, groups: np.ndarray) -> bool:
+        """Whether an op on blocks of ``groups`` takes or checks its digests on the device."""
+        return self.digests_on_device and self.kernels is not None and bool(self._hashable[groups].all())
+
+    def save(self, slots: np.ndarray, groups: np.ndarray, block_ids: np.ndarray, after=None,
+             digests: bool = False) -> Tuple[List[Tuple[np.ndarray, Optional["torch.cuda.Event"]]], Optional[torch.Tensor]]:
         """Copy each block into its slot, chunk by chunk; returns ``(positions, event)`` per
         chunk: the positions of its entries and an event (CUDA) that completes when their
-        bytes are in the host slots, or None when they are (CPU). ``after``: an event the
-        gathers follow (default: the work queued on the calling thread's current stream)."""
+        bytes are in the host slots, or None when they are (CPU); and, with ``digests`` where
+        ``hashes_on_device``, each value's XXH3-64 (an int64 host tensor, filled once the last
+        chunk's event completed), else None. ``after``: an event the gathers follow (default:
+        the work queued on the calling thread's current stream)."""
         caller = torch.cuda.current_stream(self.device) if self._save_stream is not None else None
+        hashed = digests and self.hashes_on_device(groups)
         events = []
         with on_side_stream(self._save_stream, after):
             parts = self._chunks(len(slots), growing=False)
             staging, staged = self._staging(parts)
             into, lengths = self._slot_addresses(slots), self.block_bytes[groups]
-            table = self._table(groups, block_ids, staged, staged, into, lengths // np.uint64(self.width))
+            table = self._table(groups, block_ids, staged, staged, into, lengths // np.uint64(self.width), lengths)
+            found = torch.empty(len(slots), dtype=torch.int64, device=self.device) if hashed else None
             for part in parts:
                 self._copy_blocks(groups, block_ids, staged, part, table, True, True)
+                gathered = recorded(self._save_stream)
                 if caller is not None:  # later kernels on the caller's stream wait for the reads alone
-                    gathered = recorded(self._save_stream)
                     caller.wait_event(gathered)
                     # The stream's order: the previous chunk's drain is done once this gather is.
                     events.append(gathered)
+                if hashed:  # beside the drain, on a stream of its own
+                    with on_side_stream(self._hash_stream, gathered):
+                        device_xxh3.launch_xxh3_rows(self.kernels.origin, table, int(part[0]), len(part), 2, 6, found)
                 if table is None:
                     copy_rows(staged[part], into[part], lengths[part])
                 else:  # a kernel, not the copy engine: a launch costs the caller the same at any size
                     self.kernels.rows(table[3:], int(part[0]), len(part), int(lengths[part].max()), self.kernels.programs)
+                if hashed and self._hash_stream is not None:  # the next gather reuses the staging
+                    self._save_stream.wait_stream(self._hash_stream)
+            found_on_host = None
+            if hashed:
+                found_on_host = torch.empty(len(slots), dtype=torch.int64, pin_memory=self._save_stream is not None)
+                found_on_host.copy_(found, non_blocking=True)
             events = events[1:] + [recorded(self._save_stream)] if caller is not None else [None] * len(parts)
-        return list(zip(parts, events))
+            for tensor in (staging, table, found):
+                _used_on(tensor, self._hash_stream)
+        return list(zip(parts, events)), found_on_host
 
     # ---- loads -------------------------------------------------------------------------
 
     def load(self, slots: np.ndarray, groups: np.ndarray, block_ids: np.ndarray,
-             check: Callable[[np.ndarray], np.ndarray], after=None) -> Tuple[np.ndarray, Optional["torch.cuda.Event"]]:
+             check: Optional[Callable[[np.ndarray], np.ndarray]], after=None,
+             expected: Optional[np.ndarray] = None) -> Tuple[np.ndarray, Optional["torch.cuda.Event"]]:
         """Copy each slot into its destination block, chunk by chunk, the entries of a chunk
         whose ``check(positions)`` is False left out (it runs on the host while the previous
-        chunk copies). Returns which entries were copied and an event (CUDA) that completes
-        when every block is written, or None when they are (CPU). ``after``: an event the
-        writes follow (default: the work queued on the calling thread's current stream)."""
+        chunk copies); with ``expected`` (each value's XXH3-64) where ``hashes_on_device``, the
+        entries whose staged bytes have another digest are left out instead, checked on the
+        device. Returns which entries were copied (an array filled once the event completed)
+        and an event (CUDA) that completes when every block is written, or None when they are
+        (CPU). ``after``: an event the writes follow (default: the work queued on the calling
+        thread's current stream)."""
+        if expected is not None and self.hashes_on_device(groups):
+            return self._load_checked_on_device(slots, groups, block_ids, expected, after)
         order = np.argsort(slots, kind="stable")  # consecutive slots form runs for the copy engine
         slots, groups, block_ids = slots[order], groups[order], block_ids[order]
         copied = np.zeros(len(slots), dtype=bool)
@@ -395,6 +434,45 @@ class DeviceCopier:
                     self._copy_blocks(groups[kept], block_ids[kept], at[kept], np.arange(len(kept)),
                                       self._table(groups[kept], block_ids[kept], at[kept]), False, False)
             return copied, recorded(self._load_stream)
+
+    def _load_checked_on_device(self, slots, groups, block_ids, expected, after):
+        """``load`` with the digests checked on the device: per chunk, the slots into device
+        staging (the copy engine for a few runs, else a kernel), their XXH3 against
+        ``expected`` into a flag per entry, then the scatter of the flagged entries."""
+        order = np.argsort(slots, kind="stable")
+        slots, groups, block_ids = slots[order], groups[order], block_ids[order]
+        at, lengths = self._slot_addresses(slots), self.block_bytes[groups]
+        kernels = self.kernels
+        with on_side_stream(self._load_stream, after):
+            parts = self._chunks(len(slots), growing=True)
+            staging, staged = self._staging(parts)
+            table = self._table(groups, block_ids, staged, at, staged, lengths // np.uint64(self.width), lengths,
+                                np.asarray(expected, dtype=np.uint64)[order])
+            flags = torch.empty(len(slots), dtype=torch.int64, device=self.device)
+            for part in parts:
+                runs = self._link_runs(slots[part])
+                if runs is not None:
+                    for position, first, count in runs:
+                        self._staging_rows(staging, position, count).copy_(self._host_rows(first, count), non_blocking=True)
+                else:
+                    kernels.rows(table[3:], int(part[0]), len(part), int(lengths[part].max()), kernels.programs)
+                device_xxh3.launch_xxh3_rows(kernels.origin, table, int(part[0]), len(part), 2, 6, flags, expected=table[7])
+                kernels.blocks(table, groups, int(part[0]), len(part), False, kernels.device_programs, flags=flags)
+            checked = torch.empty(len(slots), dtype=torch.int64, pin_memory=self._load_stream is not None)
+            checked.copy_(flags, non_blocking=True)
+            done = recorded(self._load_stream)
+        if done is not None:
+            done.synchronize()  # the load lane's thread: the flags say which entries were written
+        copied = np.zeros(len(slots), dtype=bool)
+        copied[order] = checked.numpy() != 0
+        return copied, done
+
+
+def _used_on(tensor: Optional[torch.Tensor], stream) -> None:
+    """Keep the caching allocator from reusing ``tensor``'s memory before ``stream``'s queued
+    work is done (it was allocated on another stream)."""
+    if tensor is not None and stream is not None:
+        tensor.record_stream(stream)
 
 
 def chunk_sizes(count: int, largest: int, growing: bool) -> List[int]:

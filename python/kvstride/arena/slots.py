@@ -161,15 +161,17 @@ class HostArena:
                 _core._copy_regions(kv, slot, length)
                 self._keep(slots, groups, 0)
             return None
-        chunks = self._device.save(slots, groups, block_ids)
+        chunks, found = self._device.save(slots, groups, block_ids, digests=digest)
 
         def finish() -> None:
             digests = np.zeros(len(slots), dtype=np.uint64)
             for part, copied in chunks:  # each chunk's digests while the next one copies
                 if copied is not None:
                     copied.synchronize()
-                if digest:
+                if digest and found is None:
                     digests[part] = self._digest(slots[part], groups[part])
+            if found is not None:  # taken on the device
+                digests = found.numpy().view(np.uint64)
             self._keep(slots, groups, digests)
 
         return finish
@@ -204,7 +206,7 @@ class HostArena:
                 return np.ones(len(part), dtype=bool)
             return self._digest(s[part], g[part]) == self.digests[s[part]]
 
-        good, written = self._device.load(s, g, b, check)
+        good, written = self._device.load(s, g, b, check, expected=self.digests[s] if verify else None)
         if written is not None:  # the caller is told the blocks are written: they must be
             written.synchronize()
         ok[candidates] = good
