@@ -12,8 +12,9 @@ float8). Per geometry: raw D2H and H2D, the engine's save and load each alone an
 (a save of other blocks while a load runs), each as GB/s and as a ratio of raw (medians of
 ``--reps``), and how long ``submit_planned`` held its caller for the save; then, not gated, a
 save and a load whose slots are scattered (the copy kernels move them rather than the copy
-engine), and the copies and the host's digests each alone. Every loaded byte is
-compared on the device with what was saved. Pinned memory: the arena's slots for what is saved.
+engine), the copies and the host's digests each alone, and the engine's save, load and both at
+once again with the digests taken and checked on the device (``DeviceCopier.digests_on_device``),
+beside the XXH3 kernel alone. Every loaded byte is compared on the device with what was saved. Pinned memory: the arena's slots for what is saved.
 
 Then the staged path, as the engine drives Mooncake (``Transfer`` into a ``StagingPool``, the
 store's ``put`` / ``get`` of the staged values, digests by the store): ``--staged embedded``
@@ -39,6 +40,7 @@ import torch
 
 import kvstride
 import kvstride.arena.device
+from kvstride.arena.device_xxh3 import launch_xxh3_rows
 from kvstride.arena import ArenaSlots
 from kvstride.engine import OffloadEngine
 from kvstride.layout import KVLayout
@@ -191,11 +193,14 @@ def run(name: str, args, device) -> bool:
         # Slots scattered over the arena (no two consecutive): the kernels move them.
         scattered = [(2 * i + 1, g, b) for i, (_, g, b) in enumerate(saves)]
         scattered_save_s = median_time(lambda: save(scattered), args.reps, sync)
-        for g in stored:  # zero the destinations: a load that wrote nothing would be seen
-            ids = torch.tensor([b + offset for group, b in entries if group == g], device=device)
-            for layer in names[g]:
-                for t in kv[layer] if isinstance(kv[layer], list) else [kv[layer]]:
-                    t.view(torch.uint8).index_fill_(1 if t.dim() == 5 and t.shape[0] == 2 else 0, ids, 0)
+        def zero_destinations():  # a load that wrote nothing would be seen
+            for g in stored:
+                ids = torch.tensor([b + offset for group, b in entries if group == g], device=device)
+                for layer in names[g]:
+                    for t in kv[layer] if isinstance(kv[layer], list) else [kv[layer]]:
+                        t.view(torch.uint8).index_fill_(1 if t.dim() == 5 and t.shape[0] == 2 else 0, ids, 0)
+
+        zero_destinations()
         scattered_load_s = median_time(lambda: load([(slot, g, b + offset) for slot, g, b in scattered]), args.reps, sync)
         wrong += wrong_bytes(kv, names, entries, offset)
         # Where the engine's time goes: the copies alone (no digests) and the digests alone.
@@ -205,6 +210,30 @@ def run(name: str, args, device) -> bool:
         kernel_load_s = median_time(lambda: arena.load(slots, groups, blocks + offset, verify=False), args.reps, sync)
         digest_s = median_time(lambda: arena._digest(slots, groups), args.reps, sync)
         host_copy_s = median_time(lambda: other_host.copy_(host), args.reps, sync)
+        # The same ops with the digests taken and checked on the device; the slots they save load
+        # with the host's check too (one digest function).
+        arena._device.digests_on_device = True
+        first_hold = len(holds)
+        device_save_s = median_time(lambda: save(saves), args.reps, sync)
+        device_hold = statistics.median(holds[first_hold:])
+        arena._device.digests_on_device = False
+        zero_destinations()
+        load(gets)
+        wrong += wrong_bytes(kv, names, entries, offset)
+        arena._device.digests_on_device = True
+        zero_destinations()
+        device_load_s = median_time(lambda: load(gets), args.reps, sync)
+        wrong += wrong_bytes(kv, names, entries, offset)
+        device_both_s = median_time(both, args.reps, sync)
+        arena._device.digests_on_device = False
+        # The XXH3 kernel alone, over the same values in device memory.
+        lengths = np.array([layout.groups[g].block_bytes for g, _ in entries], dtype=np.uint64)
+        starts = np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.uint64)
+        table = torch.from_numpy(np.stack([np.uint64(src.data_ptr()) + starts, lengths]).view(np.int64)).to(device)
+        found = torch.empty(len(entries), dtype=torch.int64, device=device)
+        device_digest_s = None
+        if device.type == "cuda":  # (a CPU run has no kernels)
+            device_digest_s = median_time(lambda: launch_xxh3_rows(src, table, 0, len(entries), 0, 1, found), args.reps, sync)
     finally:
         engine.shutdown()
     ratios = {"save": d2h / save_s, "load": h2d / load_s, "both": both_raw / both_s}
@@ -222,7 +251,14 @@ def run(name: str, args, device) -> bool:
     print(f"| copies alone, load (no digests) | {gbs(kernel_load_s):.1f} | {h2d / kernel_load_s:.2f} |")
     print(f"| digests alone (XXH3 of the slots, host) | {gbs(digest_s):.1f} | |")
     print(f"| host memory copy (torch, {torch.get_num_threads()} threads) | {gbs(host_copy_s):.1f} | |")
-    print(f"\nsubmit_planned held its caller {hold * 1e3:.2f} ms for the save; wrong bytes: {wrong}")
+    print(f"| engine save, digests on the device | {gbs(device_save_s):.1f} | {d2h / device_save_s:.2f} |")
+    print(f"| engine load, digests on the device | {gbs(device_load_s):.1f} | {h2d / device_load_s:.2f} |")
+    print(f"| engine save and load at once, digests on the device | {gbs(device_both_s, 2):.1f} | "
+          f"{both_raw / device_both_s:.2f} |")
+    if device_digest_s is not None:
+        print(f"| digests alone (XXH3 of device memory, the GPU) | {gbs(device_digest_s):.1f} | |")
+    print(f"\nsubmit_planned held its caller {hold * 1e3:.2f} ms for the save ({device_hold * 1e3:.2f} ms with the "
+          f"digests on the device); wrong bytes: {wrong}")
     ok = wrong == 0
     if device.type == "cuda":
         ok = ok and ratios["save"] >= GOAL_ONE_WAY and ratios["load"] >= GOAL_ONE_WAY
