@@ -194,6 +194,7 @@ from kvstride.transfer import StagingPool, Transfer
 layouts = {mix: kvdata.MIXES[mix] for mix in sorted(kvdata.MIXES)}
 layouts["odd sizes"] = lambda: ({"odd": torch.empty(9, 5, 3, dtype=torch.uint8), "even": torch.empty(9, 6, dtype=torch.int16)},
                                 [["odd"], ["even"]])
+hashed = 0
 for mix, make in layouts.items():
     kv, groups = make()
     layout = KVLayout(kv, groups)
@@ -203,7 +204,7 @@ for mix, make in layouts.items():
     regions = Transfer(layout, StagingPool(8 << 20))
     regions.header_room = HEADER_BYTES
     want = regions.stage(blocks)
-    regions.gather(want).wait()
+    regions.gather(want, digests=True).wait()
     largest = max(g.block_bytes for g in layout.groups) + HEADER_BYTES
     for chunk_entries in (1, 3, 1000):  # chunks of one entry, of a few, the whole batch
         tr = Transfer(layout, StagingPool(8 << 20), kernels=True, chunk_bytes=chunk_entries * largest)
@@ -224,6 +225,29 @@ for mix, make in layouts.items():
         tr.scatter(batch).wait()
         _check(kv, snap, None)
         batch.release()
+        # Digests on the device: a gather's are the Rust copier's; a checked scatter leaves an
+        # entry whose staged bytes changed unwritten.
+        tr.digests_on_device = True
+        if not tr.digests_ride_copies():
+            continue
+        hashed += 1
+        batch = tr.stage(blocks)
+        tr.gather(batch, digests=True).wait()
+        assert (batch.digests == want.digests).all(), mix
+        for t in layout.storages:
+            t.zero_()
+        batch.payload_view(1)[0][3] ^= 0xFF
+        ok = [i != 0 for i in range(len(blocks))]
+        tr.scatter(batch, ok=ok, expected=want.digests).wait()
+        assert batch.verified.tolist() == [i not in (0, 1) for i in range(len(blocks))], mix
+        _check(kv, snap, {b for (g, b), good in zip(blocks, batch.verified) if good})
+        for (g, b), good in zip(blocks, batch.verified):
+            if not good:
+                assert all(not kvdata.block_bytes_of(t, b).any() for name in groups[g]
+                           for t in ([kv[name]] if isinstance(kv[name], torch.Tensor) else kv[name])), (mix, g, b)
+        batch.release()
+        regions.scatter(want).wait()  # every block as it was, for the next chunk size
+assert hashed >= 10, hashed
 
 # Through the engine into Mooncake: the store writes each value's header into the room in front
 # of the drained payload and hashes the staged values itself; loads come back byte for byte.
@@ -236,20 +260,24 @@ try:
                                namespace="kernels-on-cpu")
     pool = StagingPool(1 << 20)
     pool.register(store.register_buffer)
-    engine = OffloadEngine(planner, Transfer(layout, pool, kernels=True, chunk_bytes=3 * 16 << 10), store)
-    kvdata.fill_random([kv], seed=3)
-    tokens = list(range(1, 10 * 16 + 1))
-    hashes = _core.BlockHasher("sha256_cbor", seed="0").hash_blocks(tokens, 16)
-    engine.submit(saves=[SaveRequest("r", hashes, [list(range(1, 11))], len(tokens))])  # block 0: vLLM's null block
-    assert engine.wait_idle(30)
-    assert engine.get_finished().saves_done == {"r"} and engine.counters["put_ok"] == 10, engine.counters
-    assert engine.lookup([("r2", hashes, len(tokens) + 1)])["r2"] == len(tokens)
-    engine.submit(loads=[LoadRequest("r2", hashes, [list(range(20, 30))], len(tokens))])
-    assert engine.wait_idle(30)
-    done = engine.get_finished()
-    assert done.loads_done == {"r2"} and not done.loads_failed, engine.counters
-    assert torch.equal(kv[20:30].view(torch.uint8), kv[1:11].view(torch.uint8))
-    engine.shutdown()
+    for on_device in (False, True):  # the store hashes the staged values; the copies do, on the device
+        transfer = Transfer(layout, pool, kernels=True, chunk_bytes=3 * 16 << 10)
+        transfer.digests_on_device = on_device
+        engine = OffloadEngine(planner, transfer, store)
+        assert engine._fused_digests == on_device
+        kvdata.fill_random([kv], seed=3 + on_device)
+        tokens = list(range(1 + 1000 * on_device, 10 * 16 + 1 + 1000 * on_device))
+        hashes = _core.BlockHasher("sha256_cbor", seed="0").hash_blocks(tokens, 16)
+        engine.submit(saves=[SaveRequest("r", hashes, [list(range(1, 11))], len(tokens))])  # block 0: vLLM's null block
+        assert engine.wait_idle(30)
+        assert engine.get_finished().saves_done == {"r"} and engine.counters["put_ok"] == 10, engine.counters
+        assert engine.lookup([("r2", hashes, len(tokens) + 1)])["r2"] == len(tokens)
+        engine.submit(loads=[LoadRequest("r2", hashes, [list(range(20, 30))], len(tokens))])
+        assert engine.wait_idle(30)
+        done = engine.get_finished()
+        assert done.loads_done == {"r2"} and not done.loads_failed, engine.counters
+        assert torch.equal(kv[20:30].view(torch.uint8), kv[1:11].view(torch.uint8))
+        engine.shutdown()
     store.close()
 finally:
     master.stop()
@@ -260,8 +288,10 @@ print("ok")
 def test_the_copy_kernels_stage_every_layout_byte_for_byte():
     """The device path (the copy kernels, chunked through device staging), run by Triton's
     interpreter on CPU memory: every layout's staged values are byte for byte the Rust
-    copier's, header room included; a masked scatter leaves the failed entries unwritten; and
-    an engine saves into Mooncake and loads back through it."""
+    copier's, header room included; a masked scatter leaves the failed entries unwritten; with
+    the digests on the device, a gather's are the Rust copier's and a checked scatter leaves an
+    entry whose bytes changed unwritten; and an engine saves into Mooncake and loads back
+    through it, the store hashing the staged values or the copies taking their digests."""
     import os
     import subprocess
     import sys

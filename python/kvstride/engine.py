@@ -302,12 +302,12 @@ class OffloadEngine:
             self.layout = None if transfer is None else transfer.layout
             self.transfer = transfer
         self.pool: Optional[StagingPool] = None if self.transfer is None else self.transfer.pool
-        # The payload digests ride the staging copies (hashed while the bytes are in cache)
-        # when the store takes them from its caller (Mooncake) and the Rust copier copies them
-        # (a CPU KV cache); after device copies the store hashes the staged values itself.
+        # The payload digests ride the staging copies (hashed while the bytes are in cache or in
+        # device staging) when the store takes them from its caller (Mooncake) and the copies can
+        # (Transfer.digests_ride_copies); else the store hashes the staged values itself.
         self._fused_digests = (
             getattr(store, "takes_digests", False) and store.verify and self.transfer is not None
-            and self.transfer.kernels is None
+            and self.transfer.digests_ride_copies(getattr(store, "mac_secret", None))
         )
         if self._fused_digests:  # with a deployment secret the digest is the MAC's payload tag
             self.transfer.mac_secret = getattr(store, "mac_secret", None)
@@ -1215,7 +1215,7 @@ class OffloadEngine:
                     if self._begin_scatter(job):
                         try:
                             ok = [status is Status.OK for status in statuses]
-                            self.transfer.scatter(batch, ok=ok, expected=expected).wait()
+                            self.transfer.scatter(batch, ok=ok, expected=expected, after=after).wait()
                         finally:
                             self._end_scatter(job)
                         bad = [i for i, (good, written) in enumerate(zip(ok, batch.verified)) if good and not written]

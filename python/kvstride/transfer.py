@@ -42,7 +42,8 @@ from typing import List, Optional, Sequence, Tuple
 import numpy as np
 import torch
 
-from .arena.device import CHUNK_BYTES, BlockKernels, chunk_sizes, on_side_stream, recorded
+from .arena import device_xxh3
+from .arena.device import CHUNK_BYTES, BlockKernels, chunk_sizes, on_side_stream, recorded, used_on
 from .copies import PieceTable
 from .layout import KVLayout
 from .stores.base import HEADER_BYTES, _with_header_room
@@ -297,6 +298,19 @@ class Transfer:
         self.kernels: Optional[BlockKernels] = None
         if self.cuda if kernels is None else kernels:
             self.kernels = BlockKernels(layout, self._pieces, self.device, [pool.ptr, ALIGNMENT, HEADER_BYTES])
+        # With the kernels, take a gather's digests and check a scatter's on the device (XXH3 of
+        # values the kernel takes; payloads start 16-byte aligned in the pool).
+        self.digests_on_device = False
+        self._hash_stream = torch.cuda.Stream(device=self.device) if self.cuda else None
+
+    def digests_ride_copies(self, mac_secret=None) -> bool:
+        """Whether ``gather(digests=True)`` and ``scatter(expected=...)`` take and check each value's
+        digest as they copy: the Rust copier always (XXH3, or with ``mac_secret`` the keyed payload
+        tag), the device kernels with ``digests_on_device`` for XXH3 of values the kernel takes."""
+        if self.kernels is None:
+            return True
+        return (self.digests_on_device and mac_secret is None
+                and all(device_xxh3.eligible(g.block_bytes) for g in self.layout.groups))
 
     def make_header_room_for(self, store) -> None:
         """Stage room for ``store``'s value header before each entry from now on
@@ -396,9 +410,11 @@ class Transfer:
         bounds = np.cumsum([0, *counts])
         return [(int(a), int(b), int(starts[a]), int(ends[b - 1] - starts[a])) for a, b in zip(bounds[:-1], bounds[1:])]
 
-    def _kernel_gather(self, batch: StagedBatch) -> Fence:
+    def _kernel_gather(self, batch: StagedBatch, digests: bool) -> Fence:
         """KV blocks -> device staging laid out as the pool (every core helping) -> the pool, chunk
-        by chunk on the gather stream; the fence's read event follows the last chunk's gather."""
+        by chunk on the gather stream; the fence's read event follows the last chunk's gather.
+        ``digests``: each value's XXH3 from the staging, beside the drain, into ``batch.digests``
+        (filled once the fence completed)."""
         _, groups, block_ids, payloads = self._entries(batch)
         kernels, read = self.kernels, None
         with on_side_stream(self.stream):
@@ -407,23 +423,39 @@ class Transfer:
             staged = np.zeros(len(payloads), dtype=np.uint64)
             for first, end, offset, _ in chunks:
                 staged[first:end] = staging.data_ptr() + (payloads[first:end] - np.uint64(self.pool.ptr + offset))
-            # Rows: the blocks' table, then one drain row per chunk (the chunk's pool range at once).
+            # Rows: the blocks' table, one drain row per chunk (the chunk's pool range at once), lengths.
             drains = np.zeros((3, len(payloads)), dtype=np.uint64)
             for k, (_, _, offset, nbytes) in enumerate(chunks):
                 drains[:, k] = (staging.data_ptr(), self.pool.ptr + offset, nbytes // kernels.width)
-            table = kernels.table(groups, block_ids, staged, *drains)
+            table = kernels.table(groups, block_ids, staged, *drains, self._payload_bytes[groups])
+            found = torch.empty(len(payloads), dtype=torch.int64, device=self.device) if digests else None
             for k, (first, end, _, nbytes) in enumerate(chunks):
                 kernels.blocks(table, groups, first, end - first, True, kernels.device_programs)
                 read = recorded(self.stream)
+                if digests:
+                    with on_side_stream(self._hash_stream, read):
+                        device_xxh3.launch_xxh3_rows(kernels.origin, table, first, end - first, 2, 6, found)
                 # A kernel, not the copy engine: a launch costs the caller the same at any size.
                 kernels.rows(table[3:], k, 1, nbytes, kernels.programs)
+                if digests and self._hash_stream is not None:  # the next gather reuses the staging
+                    self.stream.wait_stream(self._hash_stream)
+            if digests:
+                on_host = torch.empty(len(payloads), dtype=torch.int64, pin_memory=self.cuda)
+                on_host.copy_(found, non_blocking=True)
+                batch.digests = on_host.numpy().view(np.uint64)
+                for tensor in (staging, table, found):
+                    used_on(tensor, self._hash_stream)
             return Fence(recorded(self.stream), read)
 
-    def _kernel_scatter(self, batch: StagedBatch, ok, after) -> Fence:
+    def _kernel_scatter(self, batch: StagedBatch, ok, after, expected) -> Fence:
         """The pool -> device staging (the copy engine, one copy a chunk) -> the blocks of the
-        entries with ``ok``, chunk by chunk on the scatter stream."""
+        entries with ``ok``, chunk by chunk on the scatter stream; with ``expected``, only those
+        whose staged bytes have that XXH3 (checked on the device; ``batch.verified`` says which,
+        filled once the fence completed)."""
         payloads = self._entries(batch)[3]
         entries = self._entries(batch, ok)
+        if expected is not None:
+            batch.verified = np.zeros(len(batch.blocks), dtype=bool)
         if entries is None:
             return Fence()
         kept, groups, block_ids, _ = entries
@@ -434,37 +466,50 @@ class Transfer:
             chunk_of = np.repeat(np.arange(len(chunks)), [end - first for first, end, _, _ in chunks])[kept]
             offsets = np.array([offset for _, _, offset, _ in chunks], dtype=np.uint64)[chunk_of]
             staged = staging.data_ptr() + (payloads[kept] - np.uint64(self.pool.ptr) - offsets)
-            table = kernels.table(groups, block_ids, staged)
+            checks = () if expected is None else (self._payload_bytes[groups], np.asarray(expected, dtype=np.uint64)[kept])
+            table = kernels.table(groups, block_ids, staged, *checks)
+            flags = None if expected is None else torch.empty(len(kept), dtype=torch.int64, device=self.device)
             bounds = np.searchsorted(chunk_of, np.arange(len(chunks) + 1))
             for k, (_, _, offset, nbytes) in enumerate(chunks):
-                if bounds[k] == bounds[k + 1]:
+                first, count = int(bounds[k]), int(bounds[k + 1] - bounds[k])
+                if not count:
                     continue
                 staging[:nbytes].copy_(self.pool.tensor[offset:offset + nbytes], non_blocking=True)
-                kernels.blocks(table, groups, int(bounds[k]), int(bounds[k + 1] - bounds[k]), False,
-                               kernels.device_programs)
+                if flags is not None:
+                    device_xxh3.launch_xxh3_rows(kernels.origin, table, first, count, 2, 3, flags, expected=table[4])
+                kernels.blocks(table, groups, first, count, False, kernels.device_programs, flags=flags)
+            if flags is not None:
+                verified = torch.zeros(len(batch.blocks), dtype=torch.bool, device=self.device)
+                verified[torch.from_numpy(kept).to(self.device, non_blocking=True)] = flags != 0
+                on_host = torch.empty(len(batch.blocks), dtype=torch.bool, pin_memory=self.cuda)
+                on_host.copy_(verified, non_blocking=True)
+                batch.verified = on_host.numpy()
             return Fence(recorded(self._scatter_stream))
 
     def gather(self, batch: StagedBatch, *, digests: bool = False) -> Fence:
-        """KV blocks -> staging. ``digests`` (the Rust copier only): also set ``batch.digests``,
-        each entry's XXH3-64 (the store's payload hash), computed while the bytes are in cache.
+        """KV blocks -> staging. ``digests`` (where ``digests_ride_copies``): also set
+        ``batch.digests``, each entry's XXH3-64 (the store's payload hash), computed while the
+        bytes are in cache or in device staging (then filled once the fence completed).
         CUDA: the blocks are read on the side stream; the caller's stream must wait for the
         fence (``Fence.wait_stream``) before it writes them again."""
         if self.kernels is None:
             return self._cpu_copy(batch, to_pool=True, digests=digests)
-        if digests:
-            raise ValueError("digests during the gather are computed by the Rust copier on CPU KV caches only")
+        if digests and not self.digests_ride_copies():
+            raise ValueError("digests during a device gather need digests_on_device and values the XXH3 kernel takes")
         if not batch.blocks:
+            batch.digests = np.zeros(0, dtype=np.uint64) if digests else None
             return Fence()
-        return self._kernel_gather(batch)
+        return self._kernel_gather(batch, digests)
 
     def scatter(self, batch: StagedBatch, ok: Optional[Sequence[bool]] = None, *, expected=None, after=None) -> Fence:
         """Staging -> KV blocks, only for entries with ``ok[i]`` true (default: all).
-        ``expected`` (the Rust copier only): the XXH3-64 each entry's staged bytes must have; an
-        entry whose bytes differ is not written, and ``batch.verified`` tells which were.
+        ``expected`` (where ``digests_ride_copies``): the XXH3-64 each entry's staged bytes must
+        have; an entry whose bytes differ is not written, and ``batch.verified`` tells which were
+        (once the fence completed).
         ``after`` (CUDA): an event from :meth:`current_stream_event` on the stream whose pending
         work the writes must follow (default: the calling thread's current stream)."""
         if self.kernels is None:
             return self._cpu_copy(batch, to_pool=False, ok=ok, expected=expected)
-        if expected is not None:
-            raise ValueError("digest-checked scatters run on the Rust copier on CPU KV caches only")
-        return self._kernel_scatter(batch, ok, after)
+        if expected is not None and not self.digests_ride_copies():
+            raise ValueError("digest-checked device scatters need digests_on_device and values the XXH3 kernel takes")
+        return self._kernel_scatter(batch, ok, after, expected)

@@ -43,7 +43,7 @@ from kvstride import _core
 from kvstride.arena import device_xxh3
 from kvstride.copies import PieceTable
 
-__all__ = ["BlockKernels", "DeviceCopier", "chunk_sizes", "on_side_stream", "recorded", "CHUNK_BYTES", "COPY_PROGRAMS", "DMA_RUNS", "access_width", "copy_rows", "launch_copy_rows", "slot_runs"]
+__all__ = ["BlockKernels", "DeviceCopier", "chunk_sizes", "on_side_stream", "recorded", "used_on", "CHUNK_BYTES", "COPY_PROGRAMS", "DMA_RUNS", "access_width", "copy_rows", "launch_copy_rows", "slot_runs"]
 
 #: One chunk at most: a save's device staging, and the bytes whose digests are computed (saves)
 #: or checked (loads) while the previous or next chunk copies.
@@ -393,7 +393,7 @@ class DeviceCopier:
                 found_on_host.copy_(found, non_blocking=True)
             events = events[1:] + [recorded(self._save_stream)] if caller is not None else [None] * len(parts)
             for tensor in (staging, table, found):
-                _used_on(tensor, self._hash_stream)
+                used_on(tensor, self._hash_stream)
         return list(zip(parts, events)), found_on_host
 
     # ---- loads -------------------------------------------------------------------------
@@ -468,7 +468,7 @@ class DeviceCopier:
         return copied, done
 
 
-def _used_on(tensor: Optional[torch.Tensor], stream) -> None:
+def used_on(tensor: Optional[torch.Tensor], stream) -> None:
     """Keep the caching allocator from reusing ``tensor``'s memory before ``stream``'s queued
     work is done (it was allocated on another stream)."""
     if tensor is not None and stream is not None:
