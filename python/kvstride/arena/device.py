@@ -374,10 +374,8 @@ class DeviceCopier:
             for part in parts:
                 self._copy_blocks(groups, block_ids, staged, part, table, True, True)
                 gathered = recorded(self._save_stream)
-                if caller is not None:  # later kernels on the caller's stream wait for the reads alone
-                    caller.wait_event(gathered)
-                    # The stream's order: the previous chunk's drain is done once this gather is.
-                    events.append(gathered)
+                # The stream's order: the previous chunk's drain is done once this gather is.
+                events.append(gathered)
                 if hashed:  # beside the drain, on a stream of its own
                     with on_side_stream(self._hash_stream, gathered):
                         device_xxh3.launch_xxh3_rows(self.kernels.origin, table, int(part[0]), len(part), 2, 6, found)
@@ -391,6 +389,8 @@ class DeviceCopier:
             if hashed:
                 found_on_host = torch.empty(len(slots), dtype=torch.int64, pin_memory=self._save_stream is not None)
                 found_on_host.copy_(found, non_blocking=True)
+            if caller is not None:  # later kernels on the caller's stream wait for the reads alone
+                caller.wait_event(events[-1])  # (the gathers are in order on one stream)
             events = events[1:] + [recorded(self._save_stream)] if caller is not None else [None] * len(parts)
             for tensor in (staging, table, found):
                 used_on(tensor, self._hash_stream)
