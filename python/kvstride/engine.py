@@ -42,6 +42,7 @@ from __future__ import annotations
 import collections
 import concurrent.futures
 import functools
+import itertools
 import logging
 import queue
 import threading
@@ -594,8 +595,11 @@ class OffloadEngine:
 
     def _execute_planned(self, job: _SaveJob, entries: List[Tuple[str, int, int]]) -> None:
         kept = entries
-        if not self._all_in_layout(entries):  # rare: count and log the blocks we do not have
-            kept = [entry for entry in entries if self._save_block_in_layout(f"job {job.job_id}", entry)]
+        inside = self._entries_in_layout(entries)
+        if not inside.all():  # rare: count and log the blocks we do not have
+            for entry in itertools.compress(entries, ~inside):
+                self._bad_save_block(f"job {job.job_id}", entry)
+            kept = list(itertools.compress(entries, inside))
         if len(kept) < len(entries):
             job.failed.add(job.job_id)
         job.owners = {key: [job.job_id] for key, _, _ in kept}
@@ -814,30 +818,25 @@ class OffloadEngine:
         except Exception:  # a malformed table: report what can be read
             return set()
 
-    def _save_block_in_layout(self, owner: str, entry: Tuple[str, int, int]) -> bool:
-        """Whether a save's source block is in the KV cache (a table naming blocks we do not
-        have is counted and logged once)."""
+    def _bad_save_block(self, owner: str, entry: Tuple[str, int, int]) -> None:
+        """Count and log (once) a save whose source block is not in the KV cache."""
         _, group, block_id = entry
-        if self._in_layout(group, block_id):
-            return True
         self.count("save_bad_block")
         self._log_once("save-bad-block", "%s: block %d of group %d is not in the KV cache", owner, block_id, group)
-        return False
 
-    def _all_in_layout(self, entries: List[Tuple[str, int, int]]) -> bool:
-        """``_in_layout`` of every entry, in a few array operations (a large save is thousands)."""
+    def _entries_in_layout(self, entries: List[Tuple[str, int, int]]) -> np.ndarray:
+        """Per ``(key, group, block_id)`` entry, whether its block is in the KV cache: a known
+        group, a block id below its count, never vLLM's null block 0. Planning without KV
+        tensors, any block but 0 (the worker checks). Array operations: a large save is
+        thousands of entries."""
         groups = np.fromiter((g for _, g, _ in entries), dtype=np.int64, count=len(entries))
         block_ids = np.fromiter((b for _, _, b in entries), dtype=np.int64, count=len(entries))
         if self._num_blocks is None:
-            return bool((block_ids > 0).all())
-        if len(groups) and (groups.min() < 0 or groups.max() >= len(self._num_blocks)):
-            return False
-        return bool(((block_ids > 0) & (block_ids < np.asarray(self._num_blocks)[groups])).all())
-
-    def _in_layout(self, group: int, block_id: int) -> bool:
-        if self._num_blocks is None:  # planning without KV tensors: the worker checks
-            return block_id > 0
-        return 0 <= group < len(self._num_blocks) and 0 < block_id < self._num_blocks[group]
+            return block_ids > 0
+        known = (groups >= 0) & (groups < len(self._num_blocks))
+        limits = np.zeros(len(groups), dtype=np.int64)
+        limits[known] = np.asarray(self._num_blocks, dtype=np.int64)[groups[known]]
+        return known & (block_ids > 0) & (block_ids < limits)
 
     def _stage_run(self, entries: List[Tuple[str, int, int]], start: int, lane: str, room_coming):
         """Stage the longest run of ``entries`` from ``start`` that fits one batch of ``lane``,
@@ -942,8 +941,9 @@ class OffloadEngine:
                 if depths is not None and tail.boundary is not None:
                     depths.update((key, int(tail.boundary)) for key, _, _ in tail.puts)
             req_id = save.req_id
-            for key, group, block_id in puts:
-                if not self._save_block_in_layout(f"request {req_id}", (key, group, block_id)):
+            for (key, group, block_id), inside in zip(puts, self._entries_in_layout(puts)):
+                if not inside:
+                    self._bad_save_block(f"request {req_id}", (key, group, block_id))
                     failed.add(req_id)
                     continue
                 waiting = owners.get(key)
@@ -1255,9 +1255,9 @@ class OffloadEngine:
                     failed[load.req_id] = self._all_blocks(load)
                     continue
                 gets = plan.gets
-            for entry in gets:
+            for entry, inside in zip(gets, self._entries_in_layout(gets)):
                 _, group, block_id = entry
-                if not self._in_layout(group, block_id):
+                if not inside:
                     self.count("load_bad_block")
                     self._log_once("load-bad-block", "request %s: destination block %d of group %d is not in the KV cache", load.req_id, block_id, group)
                     failed.setdefault(load.req_id, set()).add((group, block_id))
