@@ -299,7 +299,8 @@ class DeviceCopier:
         self.digests_on_device = bool(digests_on_device)
         self._hashable = np.array([device_xxh3.eligible(int(n)) and self.slot_bytes % 16 == 0 for n in self.block_bytes],
                                   dtype=bool)
-        self._hash_stream = torch.cuda.Stream(self.device) if cuda else None
+        self._hash_stream = torch.cuda.Stream(self.device) if cuda else None  # a save's, beside its drains
+        self._check_stream = torch.cuda.Stream(self.device) if cuda else None  # a load's, beside its copies
 
     def _slot_addresses(self, slots: np.ndarray) -> np.ndarray:
         return np.uint64(self.host.data_ptr()) + slots.astype(np.uint64) * np.uint64(self.slot_bytes)
@@ -309,11 +310,13 @@ class DeviceCopier:
         bounds = np.cumsum([0, *chunk_sizes(count, self.chunk_slots, growing)])
         return [np.arange(a, b) for a, b in zip(bounds[:-1], bounds[1:])]
 
-    def _staging(self, parts: List[np.ndarray]) -> Tuple[torch.Tensor, np.ndarray]:
-        """Device staging for the largest of ``parts`` (on the current stream), and each
-        position's row address in it (its place in its chunk)."""
-        staging = torch.empty(max(map(len, parts)) * self.slot_bytes, dtype=torch.uint8, device=self.device)
-        row = np.concatenate([part - part[0] for part in parts]).astype(np.uint64)
+    def _staging(self, parts: List[np.ndarray], buffers: int = 1) -> Tuple[torch.Tensor, np.ndarray]:
+        """Device staging for ``buffers`` of the largest of ``parts`` (on the current stream), and
+        each position's row address in it: its place in its chunk, in buffer ``k % buffers`` for
+        chunk ``k``."""
+        largest = max(map(len, parts))
+        staging = torch.empty(buffers * largest * self.slot_bytes, dtype=torch.uint8, device=self.device)
+        row = np.concatenate([part - part[0] + k % buffers * largest for k, part in enumerate(parts)]).astype(np.uint64)
         return staging, np.uint64(staging.data_ptr()) + row * np.uint64(self.slot_bytes)
 
     def _table(self, *rows: np.ndarray) -> Optional[torch.Tensor]:
@@ -436,31 +439,44 @@ class DeviceCopier:
             return copied, recorded(self._load_stream)
 
     def _load_checked_on_device(self, slots, groups, block_ids, expected, after):
-        """``load`` with the digests checked on the device: per chunk, the slots into device
-        staging (the copy engine for a few runs, else a kernel), their XXH3 against
-        ``expected`` into a flag per entry, then the scatter of the flagged entries."""
+        """``load`` with the digests checked on the device: per chunk, the slots into one of two
+        device staging buffers (the copy engine for a few runs, else a kernel) on the load
+        stream, then on a stream of their own, while the next chunk copies, their XXH3 against
+        ``expected`` into a flag per entry and the scatter of the flagged entries."""
         order = np.argsort(slots, kind="stable")
         slots, groups, block_ids = slots[order], groups[order], block_ids[order]
         at, lengths = self._slot_addresses(slots), self.block_bytes[groups]
         kernels = self.kernels
         with on_side_stream(self._load_stream, after):
             parts = self._chunks(len(slots), growing=True)
-            staging, staged = self._staging(parts)
+            staging, staged = self._staging(parts, buffers=2)
+            largest = max(map(len, parts))
             table = self._table(groups, block_ids, staged, at, staged, lengths // np.uint64(self.width), lengths,
                                 np.asarray(expected, dtype=np.uint64)[order])
             flags = torch.empty(len(slots), dtype=torch.int64, device=self.device)
-            for part in parts:
+            scattered = []
+            for k, part in enumerate(parts):
+                if k >= 2 and scattered[k - 2] is not None:  # this buffer's previous chunk is done with it
+                    self._load_stream.wait_event(scattered[k - 2])
                 runs = self._link_runs(slots[part])
                 if runs is not None:
                     for position, first, count in runs:
-                        self._staging_rows(staging, position, count).copy_(self._host_rows(first, count), non_blocking=True)
+                        self._staging_rows(staging, k % 2 * largest + position, count).copy_(
+                            self._host_rows(first, count), non_blocking=True)
                 else:
                     kernels.rows(table[3:], int(part[0]), len(part), int(lengths[part].max()), kernels.programs)
-                device_xxh3.launch_xxh3_rows(kernels.origin, table, int(part[0]), len(part), 2, 6, flags, expected=table[7])
-                kernels.blocks(table, groups, int(part[0]), len(part), False, kernels.device_programs, flags=flags)
+                with on_side_stream(self._check_stream, recorded(self._load_stream)):
+                    device_xxh3.launch_xxh3_rows(kernels.origin, table, int(part[0]), len(part), 2, 6, flags,
+                                                 expected=table[7])
+                    kernels.blocks(table, groups, int(part[0]), len(part), False, kernels.device_programs, flags=flags)
+                    scattered.append(recorded(self._check_stream))
+            if self._check_stream is not None:
+                self._load_stream.wait_stream(self._check_stream)
             checked = torch.empty(len(slots), dtype=torch.int64, pin_memory=self._load_stream is not None)
             checked.copy_(flags, non_blocking=True)
             done = recorded(self._load_stream)
+            for tensor in (staging, table, flags):
+                used_on(tensor, self._check_stream)
         if done is not None:
             done.synchronize()  # the load lane's thread: the flags say which entries were written
         copied = np.zeros(len(slots), dtype=bool)
