@@ -25,6 +25,12 @@ digests while the next chunk copies, and check a load's digests before its chunk
 first chunks of a load and the last of a save are small, so that little of either waits for
 the other. Staging holds one chunk.
 
+With ``digests_on_device`` the GPU takes those digests instead (:mod:`kvstride.arena.device_xxh3`,
+the same XXH3-64): a save hashes each chunk's staging on a stream of its own while the chunk
+drains, and a load copies each chunk into one of two staging buffers, then checks and scatters
+it on a stream of its own while the next chunk copies, leaving an entry whose bytes changed
+unwritten. No byte then crosses host memory a second time.
+
 The same code runs on CPU tensors, each table executed by the Rust region copier (no streams:
 every copy is done when it returns), which is how the CPU test tier checks it; the kernels
 themselves are checked on CPU memory by Triton's interpreter, and on CUDA by the CUDA tests.
