@@ -248,6 +248,12 @@ for mix, make in layouts.items():
         batch.release()
         regions.scatter(want).wait()  # every block as it was, for the next chunk size
 assert hashed >= 10, hashed
+tr = Transfer(KVLayout(*kvdata.flash_attn()), StagingPool(1 << 20), kernels=True)
+tr.digests_on_device = True
+empty = tr.stage([])  # an empty batch copies nothing, either way
+tr.gather(empty, digests=True).wait()
+tr.scatter(empty, expected=[]).wait()
+assert len(empty.digests) == 0 and len(empty.verified) == 0
 
 # Through the engine into Mooncake: the store writes each value's header into the room in front
 # of the drained payload and hashes the staged values itself; loads come back byte for byte.

@@ -296,6 +296,8 @@ class Transfer:
         self._payload_bytes = np.array([g.block_bytes for g in layout.groups], dtype=np.int64)
         self.chunk_bytes = int(chunk_bytes)
         self.kernels: Optional[BlockKernels] = None
+        if self.cuda and kernels is False:
+            raise ValueError("a CUDA KV cache is copied by the device kernels: leave kernels unset (True or None)")
         if self.cuda if kernels is None else kernels:
             self.kernels = BlockKernels(layout, self._pieces, self.device, [pool.ptr, ALIGNMENT, HEADER_BYTES])
         # With the kernels, take a gather's digests and check a scatter's on the device (XXH3 of
@@ -309,7 +311,7 @@ class Transfer:
         tag), the device kernels with ``digests_on_device`` for XXH3 of values the kernel takes."""
         if self.kernels is None:
             return True
-        return (self.digests_on_device and mac_secret is None
+        return (self.digests_on_device and mac_secret is None and self.header_room % 16 == 0
                 and all(device_xxh3.eligible(g.block_bytes) for g in self.layout.groups))
 
     def make_header_room_for(self, store) -> None:
@@ -403,7 +405,7 @@ class Transfer:
         """The batch cut into chunks of whole entries of at most ``chunk_bytes`` each (an entry
         larger than that alone): ``(first entry, end entry, pool offset, bytes)`` per chunk, the
         smaller chunks first (``growing``) or last (``chunk_sizes``)."""
-        starts = payloads - np.uint64(self.pool.ptr + self.header_room)  # pool offsets of the entries
+        starts = payloads - np.uint64(self.pool.ptr + batch.header_room)  # pool offsets of the entries
         ends = np.append(starts[1:], np.uint64(batch.offset + batch.nbytes))
         per_entry = int((ends - starts).max())
         counts = chunk_sizes(len(payloads), max(1, self.chunk_bytes // per_entry), growing)
@@ -512,4 +514,7 @@ class Transfer:
             return self._cpu_copy(batch, to_pool=False, ok=ok, expected=expected)
         if expected is not None and not self.digests_ride_copies():
             raise ValueError("digest-checked device scatters need digests_on_device and values the XXH3 kernel takes")
+        if not batch.blocks:
+            batch.verified = np.zeros(0, dtype=bool) if expected is not None else None
+            return Fence()
         return self._kernel_scatter(batch, ok, after, expected)

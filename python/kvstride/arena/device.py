@@ -10,10 +10,12 @@ whatever its groups, pieces and slots, and such a copy runs on a few of the GPU'
 A save runs on a stream of its own that first waits for the work the caller queued on its
 stream: per chunk, a kernel gathers the blocks' pieces into device staging laid out as the
 slots are (at the device memory's speed, every core helping), then a kernel drains the staging
-into the pinned slots. The caller's stream waits (on the device, never the host) only for the
-gathers, so later kernels cannot overwrite a block before it was read, and the host-link copy
-overlaps them. The caller's thread only enqueues: launches cost it the same at any size (the
-copy engine's commands do not), which keeps a 2 GiB save to about a millisecond of its time.
+into the pinned slots. The caller's stream waits (on the device, never the host) for the last
+gather, so later kernels cannot overwrite a block before it was read. Staging holds one chunk,
+so that gather follows the drains of the chunks before it: the caller's later kernels wait for
+all of a save's host-link copy but its last chunk (none for a save of one chunk). The caller's
+thread only enqueues: launches cost it the same at any size (the copy engine's commands do
+not), which keeps a 2 GiB save to about a millisecond of its time.
 
 A load runs on the load lane's thread, on a stream of its own: per chunk, when its slots form
 few runs (``DMA_RUNS``), the copy engine moves each run into device staging and a kernel
@@ -455,7 +457,7 @@ class DeviceCopier:
         kernels = self.kernels
         with on_side_stream(self._load_stream, after):
             parts = self._chunks(len(slots), growing=True)
-            staging, staged = self._staging(parts, buffers=2)
+            staging, staged = self._staging(parts, buffers=min(2, len(parts)))
             largest = max(map(len, parts))
             table = self._table(groups, block_ids, staged, at, staged, lengths // np.uint64(self.width), lengths,
                                 np.asarray(expected, dtype=np.uint64)[order])
