@@ -1,9 +1,10 @@
 #!/bin/bash
-# The CUDA checks in one run, on a GPU host that may have no network: installs the kvstride wheel
-# (and any other wheels, e.g. cbor2 for the tests) found in WHEELS into a private folder, then runs
-# the CUDA tests and the GPU bench, each log in OUT; with a Mooncake package among the wheels (and
-# its libraries present), the staged path's rows into a Mooncake master on this host too. Build the wheel from the commit you report
-# (`maturin build --release -o dist`): the logs name the wheel, not the commit.
+# The CUDA checks in one run, on a GPU host that may have no network: installs the wheels found in
+# WHEELS (kvstride's, cbor2 for the tests, and optionally Mooncake's with the libraries in
+# WHEELS/lib; benches/gpu_carry.sh fills the folder from a checkout) into a private folder, then
+# runs the CUDA tests and the GPU bench, each log in OUT, and with Mooncake the staged path's rows
+# into a Mooncake master on this host too. The logs name the wheel, not the commit: build it
+# from the commit you report.
 #
 #     WHEELS=dist OUT=gpu-results bash benches/gpu_run.sh [extra gpu_engine.py arguments]
 set -u
@@ -13,6 +14,9 @@ mkdir -p "$out"
 site=$(mktemp -d)
 python3 -m pip install -q --no-index --no-deps --no-compile --target "$site" "$wheels"/*.whl || exit 1
 export PYTHONPATH=$site PYTHONUNBUFFERED=1
+if [ -d "$wheels/lib" ]; then  # libraries a carried wheel links against (benches/gpu_carry.sh)
+    export LD_LIBRARY_PATH="$(cd "$wheels/lib" && pwd)${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+fi
 status=0
 { nvidia-smi --query-gpu=name,driver_version,pcie.link.gen.max,pcie.link.width.max --format=csv; nproc
   python3 -c 'import torch, triton; print("torch", torch.__version__, "cuda", torch.version.cuda, "triton", triton.__version__)'
