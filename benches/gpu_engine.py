@@ -279,14 +279,16 @@ class ThroughBuffers:
         return getattr(self.inner, name)
 
 
-def staged_store(kind: str, nbytes: int, value_bytes: int):
-    """(store, what to stop afterwards) holding ``nbytes``, values of at most ``value_bytes``."""
+def staged_store(kind: str, values: int, op_bytes: int, value_bytes: int, reps: int):
+    """(store, what to stop afterwards) for ``reps`` saves of ``values`` values (``op_bytes``,
+    each at most ``value_bytes``) under new keys, and their loads: the embedded store evicts
+    the oldest values, so it holds two ops (a slot a value); a Mooncake segment holds every op."""
     if kind == "embedded":
-        return ThroughBuffers(EmbeddedStore(nbytes, slot_bytes=value_bytes)), []
+        return ThroughBuffers(EmbeddedStore(2 * values * value_bytes, slot_bytes=value_bytes)), []
     from kvstride.stores import MooncakeStore, start_master
 
     master = start_master()
-    store = MooncakeStore(master, segment_bytes=nbytes, local_buffer_bytes=64 << 20)
+    store = MooncakeStore(master, segment_bytes=(reps + 2) * op_bytes, local_buffer_bytes=64 << 20)
     return store, [store.close, master.stop]
 
 
@@ -303,8 +305,8 @@ def run_staged(name: str, args, device) -> bool:
     stored = [g for g, n in enumerate(planner.hashes_per_block) if n]
     entries = [(g, 1 + b) for g in stored for b in range(saved_blocks)]
     nbytes = sum(layout.groups[g].block_bytes for g, _ in entries)
-    store, stop = staged_store(args.staged, (args.reps + 2) * (nbytes + len(entries) * 4096),
-                               max(layout.groups[g].block_bytes for g in stored))
+    store, stop = staged_store(args.staged, len(entries), nbytes + len(entries) * 4096,
+                               max(layout.groups[g].block_bytes for g in stored), args.reps)
     pool = StagingPool(1 << 20)  # replaced below, once the header room is known
     transfer = Transfer(layout, pool)
     transfer.make_header_room_for(store)
