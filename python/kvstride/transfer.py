@@ -414,7 +414,8 @@ class Transfer:
 
     def _kernel_gather(self, batch: StagedBatch, digests: bool) -> Fence:
         """KV blocks -> device staging laid out as the pool (every core helping) -> the pool, chunk
-        by chunk on the gather stream; the fence's read event follows the last chunk's gather.
+        by chunk on the gather stream; the fence's read event follows the last chunk's gather
+        (which, staging holding one chunk, follows the earlier chunks' drains).
         ``digests``: each value's XXH3 from the staging, beside the drain, into ``batch.digests``
         (filled once the fence completed)."""
         _, groups, block_ids, payloads = self._entries(batch)
