@@ -51,7 +51,8 @@ from kvstride import _core
 from kvstride.arena import device_xxh3
 from kvstride.copies import PieceTable
 
-__all__ = ["BlockKernels", "DeviceCopier", "chunk_sizes", "on_side_stream", "recorded", "used_on", "CHUNK_BYTES", "COPY_PROGRAMS", "DMA_RUNS", "access_width", "copy_rows", "launch_copy_rows", "slot_runs"]
+__all__ = ["BlockKernels", "DeviceCopier", "CHUNK_BYTES", "COPY_PROGRAMS", "DMA_RUNS", "access_width", "chunk_sizes",
+           "copy_rows", "launch_copy_rows", "on_side_stream", "recorded", "slot_runs", "used_on"]
 
 #: One chunk at most: a save's device staging, and the bytes whose digests are computed (saves)
 #: or checked (loads) while the previous or next chunk copies.
@@ -221,8 +222,8 @@ class BlockKernels:
                                             [*aligned, 512])
         self._piece_table = _on(device, np.stack([pieces.base, pieces.stride, pieces.size // np.uint64(self.width),
                                                   pieces.start]))
-        self.origin = self._piece_table  # any aligned device tensor: the kernels take addresses as offsets from it
-        self._origin = self._piece_table.view(_ELEMENTS[self.width])
+        self.origin = self._piece_table  # an aligned device tensor: the kernels take addresses as offsets from it
+        self._origin_in_elements = self._piece_table.view(_ELEMENTS[self.width])  # the copy kernel's W-byte elements
         self._group_table = _on(device, np.stack([pieces.first, pieces.count]))
         self._tiles_per_piece = -(-int(pieces.size.max(initial=1)) // self.width // _TILE)
 
@@ -241,8 +242,9 @@ class BlockKernels:
         _, copy_blocks_kernel = _kernels()
         per_entry = int(self.pieces.count[groups[first:first + count]].max())
         copy_blocks_kernel[_programs(programs, count * per_entry * self._tiles_per_piece)](
-            self._origin, self._piece_table.data_ptr(), table, table.shape[1], first, count, self._tiles_per_piece,
-            self._piece_table, self._piece_table.shape[1], self._group_table, self._group_table.shape[1], per_entry,
+            self._origin_in_elements, self._piece_table.data_ptr(), table, table.shape[1], first, count,
+            self._tiles_per_piece, self._piece_table, self._piece_table.shape[1], self._group_table,
+            self._group_table.shape[1], per_entry,
             table if flags is None else flags, TO_SLOTS=to_entries, FLAGS=flags is not None, W=self.width,
             VEC=self.vec, TILE=_TILE)
 
