@@ -181,6 +181,29 @@ for (name, make), dma_runs in itertools.product(LAYOUTS.items(), (0, 8)):  # sca
         elif entries.count(entries[2]) == 1:
             assert all(not any(piece) for piece in mine), name  # never written
 assert hashed_layouts >= 5, hashed_layouts
+
+# Through the arena (what the connector's workers call): the digests it keeps from a save taken
+# on the device are the host's, and its verified load leaves a corrupted slot's block alone.
+kv, groups = LAYOUTS["hybrid"]()
+layout = KVLayout(kv, groups)
+kvdata.fill_random(layout.storages, seed=5)
+host, device = HostArena(layout, 48, copier="regions"), HostArena(layout, 48, copier="regions")
+device.copier, device._device = "device", DeviceCopier(layout, device.buffer, device.slot_bytes, device._pieces,
+                                                       kernels=True, digests_on_device=True)
+slots, grps, blocks = _entries(layout, 10, seed=6)
+assert device._device.hashes_on_device(grps)
+
+
+def host_digests(*args):
+    raise AssertionError("the host hashed a slot")
+
+
+device._digest = host_digests
+host.save(slots, grps, blocks)
+device.save(slots, grps, blocks)
+assert (device.digests[slots] == host.digests[slots]).all()
+device.buffer[int(slots[4]) * device.slot_bytes] ^= 1
+assert (device.load(slots, grps, blocks) == (np.arange(10) != 4)).all()
 print("ok")
 """
 
