@@ -107,19 +107,25 @@ def wrong_bytes(kv, names, entries, offset: int) -> int:
     return wrong
 
 
-def run(name: str, args, device) -> bool:
+def setup(name: str, args, device, copies: int):
+    """``name``'s KV cache with room for ``copies`` times one op's blocks (random bytes), its
+    layout, a planner, and one op: every stored group's blocks of the requests (a hybrid's
+    groups share the count; never the scratch ring), from block 1 on."""
     block_tokens = 16 if name in ("llama8b", "fp8") else 64
-    per_request = -(-args.tokens // block_tokens)
-    saved_blocks = args.requests * per_request
-    kv, names, specs = build(name, 3 * saved_blocks + 1, device)
+    saved_blocks = args.requests * -(-args.tokens // block_tokens)
+    kv, names, specs = build(name, copies * saved_blocks + 2, device)
     layout = KVLayout(kv, names)
     for storage in layout.storages:
         storage.copy_(torch.randint(0, 256, storage.shape, dtype=torch.uint8, device=device))
     S, H = kvstride.resolve_block_sizes(specs)
     planner = kvstride.KeyPlanner(specs, hash_block_size=H, scheduler_block_size=S, namespace=f"gpu-{name}")
-    stored = [g for g, n in enumerate(planner.hashes_per_block) if n]  # never the scratch ring
-    # One op: every stored group's blocks of the requests (a hybrid's groups share the count).
+    stored = [g for g, n in enumerate(planner.hashes_per_block) if n]
     entries = [(g, 1 + b) for g in stored for b in range(saved_blocks)]
+    return kv, names, layout, planner, stored, entries, saved_blocks
+
+
+def run(name: str, args, device) -> bool:
+    kv, names, layout, planner, stored, entries, saved_blocks = setup(name, args, device, 3)
     store = ArenaSlots(2 * len(entries), copier=None if device.type == "cuda" else "device")
     engine = OffloadEngine(planner, layout, store)
     if args.programs:
@@ -294,16 +300,7 @@ def staged_store(kind: str, values: int, op_bytes: int, value_bytes: int, reps: 
 
 def run_staged(name: str, args, device) -> bool:
     """The engine through its staging pool into ``args.staged``'s store, against raw copies."""
-    block_tokens = 16 if name in ("llama8b", "fp8") else 64
-    saved_blocks = args.requests * -(-args.tokens // block_tokens)
-    kv, names, specs = build(name, 2 * saved_blocks + 2, device)
-    layout = KVLayout(kv, names)
-    for storage in layout.storages:
-        storage.copy_(torch.randint(0, 256, storage.shape, dtype=torch.uint8, device=device))
-    S, H = kvstride.resolve_block_sizes(specs)
-    planner = kvstride.KeyPlanner(specs, hash_block_size=H, scheduler_block_size=S, namespace=f"staged-{name}")
-    stored = [g for g, n in enumerate(planner.hashes_per_block) if n]
-    entries = [(g, 1 + b) for g in stored for b in range(saved_blocks)]
+    kv, names, layout, planner, stored, entries, saved_blocks = setup(name, args, device, 2)
     nbytes = sum(layout.groups[g].block_bytes for g, _ in entries)
     store, stop = staged_store(args.staged, len(entries), nbytes + len(entries) * 4096,
                                max(layout.groups[g].block_bytes for g in stored), args.reps)
