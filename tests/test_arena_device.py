@@ -14,7 +14,7 @@ import torch
 
 import kvdata
 from kvstride.arena import HostArena
-from kvstride.arena.device import slot_runs
+from kvstride.arena.device import DeviceCopier, slot_runs
 from kvstride.layout import KVLayout
 
 
@@ -228,6 +228,182 @@ def test_the_copy_kernels_move_every_byte_and_nothing_else():
 def test_slot_runs():
     assert slot_runs(np.array([3, 4, 5, 9, 11, 12])) == [(0, 3, 3), (3, 9, 1), (4, 11, 2)]
     assert slot_runs(np.array([], dtype=np.int64)) == []
+
+
+class Streams:
+    """CUDA's ordering, modelled on CPU: every launch and event record is a node; a node follows
+    the one before it on its stream and every event its stream waited for since. ``before(a,
+    b)``: ``a`` must complete before ``b`` starts."""
+
+    def __init__(self) -> None:
+        self.after = []  # per node, the nodes it directly follows
+        self.labels = []
+        self.current = [Streams.Stream(self, "caller")]
+
+    class Stream:
+        def __init__(self, streams, name: str) -> None:
+            self.streams, self.name, self.device = streams, name, torch.device("cpu")
+            self.last, self.waits = None, set()
+
+        def wait_event(self, event) -> None:
+            self.waits.add(event.node)
+
+        def wait_stream(self, other) -> None:
+            if other.last is not None:
+                self.waits.add(other.last)
+
+    class Event:
+        def __init__(self, streams) -> None:
+            self.streams, self.node = streams, None
+
+        def record(self, stream) -> None:
+            self.node = self.streams.node(stream, "event")
+
+        def synchronize(self) -> None:
+            pass
+
+    def node(self, stream, label: str) -> int:
+        follows = stream.waits | ({stream.last} if stream.last is not None else set())
+        self.after.append(follows - {None})
+        self.labels.append(f"{stream.name}:{label}")
+        stream.last, stream.waits = len(self.after) - 1, set()
+        return stream.last
+
+    def launch(self, label: str) -> int:
+        return self.node(self.current[-1], label)
+
+    def before(self, a: int, b: int) -> bool:
+        seen, todo = set(), [b]
+        while todo:
+            for n in self.after[todo.pop()]:
+                if n == a:
+                    return True
+                if n not in seen:
+                    seen.add(n)
+                    todo.append(n)
+        return False
+
+    def install(self, monkeypatch, owner, streams: dict) -> dict:
+        """Fake streams for ``owner`` (a DeviceCopier or Transfer on CPU with kernels; ``streams``:
+        attribute -> name, "save" for the one saves drain on), its launches recorded (not run):
+        returns the node ids of each kind of launch, in order."""
+        import contextlib
+
+        import kvstride.transfer
+        from kvstride.arena import device, device_xxh3
+
+        launches = {"gather": [], "drain": [], "hash": [], "copy in": [], "check": [], "scatter": []}
+
+        @contextlib.contextmanager
+        def stream(s):
+            self.current.append(s)
+            try:
+                yield s
+            finally:
+                self.current.pop()
+
+        def blocks(kernels, table, groups, first, count, to_entries, programs, flags=None):
+            launches["gather" if to_entries else "scatter"].append(self.launch("blocks"))
+
+        def rows(kernels, table, first, count, longest, programs):
+            launches["drain" if self.current[-1].name == "save" else "copy in"].append(self.launch("rows"))
+
+        def xxh3(*args, expected=None, **kwargs):
+            launches["hash" if expected is None else "check"].append(self.launch("xxh3"))
+
+        monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: self.current[-1])
+        monkeypatch.setattr(torch.cuda, "stream", stream)
+        monkeypatch.setattr(torch.cuda, "Event", lambda: Streams.Event(self))
+        monkeypatch.setattr(device.BlockKernels, "blocks", blocks)
+        monkeypatch.setattr(device.BlockKernels, "rows", rows)
+        monkeypatch.setattr(device_xxh3, "launch_xxh3_rows", xxh3)
+        for module in (device, kvstride.transfer):
+            monkeypatch.setattr(module, "used_on", lambda tensor, stream: None)
+        for attribute, name in streams.items():
+            setattr(owner, attribute, Streams.Stream(self, name))
+        return launches
+
+
+def _ordered_copier(monkeypatch):
+    kv, groups = kvdata.flash_attn(nb=40, bs=64)
+    layout = KVLayout(kv, groups)
+    arena = HostArena(layout, 40, copier="regions")
+    copier = DeviceCopier(layout, arena.buffer, arena.slot_bytes, arena._pieces, chunk_bytes=3 * arena.slot_bytes,
+                          kernels=True, dma_runs=0, digests_on_device=True)
+    streams = Streams()
+    names = {"_save_stream": "save", "_load_stream": "load", "_hash_stream": "hash", "_check_stream": "check"}
+    return copier, streams, streams.install(monkeypatch, copier, names)
+
+
+def test_a_device_save_is_ordered_against_the_callers_stream_and_its_staging(monkeypatch):
+    """A save with its digests on the device, on modelled CUDA streams: the caller's later work
+    follows every gather; a chunk's gather follows the drain and the hash of the one before it
+    (they read the staging it overwrites); each hash runs beside its drain, not after it; the
+    last chunk's event follows every drain and hash."""
+    copier, streams, launches = _ordered_copier(monkeypatch)
+    slots = np.arange(12)
+    chunks, _ = copier.save(slots, np.zeros(12, dtype=np.int64), slots + 1, digests=True)
+    later = streams.launch("the caller's next kernel")
+    gather, drain, hash_ = launches["gather"], launches["drain"], launches["hash"]
+    assert len(gather) == len(drain) == len(hash_) == len(chunks) == 5
+    before = streams.before
+    for k in range(5):
+        assert before(gather[k], later) and before(gather[k], drain[k]) and before(gather[k], hash_[k])
+        assert not before(drain[k], hash_[k]) and not before(hash_[k], drain[k])
+        assert before(drain[k], chunks[k][1].node) and before(hash_[k], chunks[-1][1].node)
+        if k:
+            assert before(drain[k - 1], gather[k]) and before(hash_[k - 1], gather[k])
+
+
+def test_a_device_load_checked_on_the_device_is_ordered(monkeypatch):
+    """A load checked on the device, on modelled CUDA streams: it follows the caller's pending
+    work; a chunk is checked, then scattered, after its copy in; the next chunk copies while one
+    is checked (two buffers), but never into a buffer whose chunk is not scattered yet; the
+    load's event follows every scatter."""
+    copier, streams, launches = _ordered_copier(monkeypatch)
+    pending = streams.launch("the caller's pending write")
+    after = torch.cuda.Event()
+    after.record(streams.current[0])
+    slots = np.arange(12)
+    _, done = copier.load(slots, np.zeros(12, dtype=np.int64), slots + 1, None, after=after,
+                          expected=np.zeros(12, dtype=np.uint64))
+    copy_in, check, scatter = launches["copy in"], launches["check"], launches["scatter"]
+    assert len(copy_in) == len(check) == len(scatter) == 5
+    before = streams.before
+    for k in range(5):
+        assert before(pending, copy_in[k]) and before(copy_in[k], check[k]) and before(check[k], scatter[k])
+        assert before(scatter[k], done.node)
+        if k + 1 < 5:
+            assert not before(check[k], copy_in[k + 1])  # the next chunk copies meanwhile
+        if k >= 2:
+            assert before(scatter[k - 2], copy_in[k])
+
+
+def test_a_staged_gather_is_ordered_against_the_callers_stream_and_its_staging(monkeypatch):
+    """The staging pool's device gather with its digests, on modelled CUDA streams: the caller's
+    stream, once it waited for the fence, runs its later work after every gather; a chunk's
+    gather follows the drain and the hash of the one before; hashes run beside the drains; the
+    fence completes after all of them."""
+    from kvstride.transfer import StagingPool, Transfer
+
+    kv, groups = kvdata.flash_attn(nb=40, bs=64)
+    layout = KVLayout(kv, groups)
+    transfer = Transfer(layout, StagingPool(8 << 20), kernels=True, chunk_bytes=3 * layout.groups[0].block_bytes)
+    transfer.digests_on_device = True
+    streams = Streams()
+    launches = streams.install(monkeypatch, transfer, {"stream": "save", "_hash_stream": "hash", "_scatter_stream": "load"})
+    fence = transfer.gather(transfer.stage([(0, b) for b in range(1, 13)]), digests=True)
+    fence.wait_stream(streams.current[0])
+    later = streams.launch("the caller's next kernel")
+    gather, drain, hash_ = launches["gather"], launches["drain"], launches["hash"]
+    assert len(gather) == len(drain) == len(hash_) == 5
+    before = streams.before
+    for k in range(5):
+        assert before(gather[k], later) and before(gather[k], drain[k]) and before(gather[k], hash_[k])
+        assert not before(drain[k], hash_[k]) and not before(hash_[k], drain[k])
+        assert before(drain[k], fence._event.node) and before(hash_[k], fence._event.node)
+        if k:
+            assert before(drain[k - 1], gather[k]) and before(hash_[k - 1], gather[k])
 
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

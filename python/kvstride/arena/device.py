@@ -400,7 +400,7 @@ class DeviceCopier:
                     self._save_stream.wait_stream(self._hash_stream)
             found_on_host = None
             if hashed:
-                found_on_host = torch.empty(len(slots), dtype=torch.int64, pin_memory=self._save_stream is not None)
+                found_on_host = torch.empty(len(slots), dtype=torch.int64, pin_memory=self.device.type == "cuda")
                 found_on_host.copy_(found, non_blocking=True)
             if caller is not None:  # later kernels on the caller's stream wait for the reads alone
                 caller.wait_event(events[-1])  # (the gathers are in order on one stream)
@@ -482,7 +482,7 @@ class DeviceCopier:
                     scattered.append(recorded(self._check_stream))
             if self._check_stream is not None:
                 self._load_stream.wait_stream(self._check_stream)
-            checked = torch.empty(len(slots), dtype=torch.int64, pin_memory=self._load_stream is not None)
+            checked = torch.empty(len(slots), dtype=torch.int64, pin_memory=self.device.type == "cuda")
             checked.copy_(flags, non_blocking=True)
             done = recorded(self._load_stream)
             for tensor in (staging, table, flags):
