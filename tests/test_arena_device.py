@@ -3,7 +3,9 @@ use, built as tensors: the same code as on a GPU, with CPU tensors (no streams).
 exactly the bytes the Rust region copier writes, so either path reads the other's values; loads
 restore blocks byte for byte, however a save or load is cut into staging chunks and slot runs.
 
-The CUDA tests at the end (ordering against the caller's stream) run wherever CUDA is present."""
+The ordering of the device paths' launches, events and waits is checked on modelled CUDA streams
+(``Streams``); the CUDA tests at the end (ordering against the caller's stream on a real device)
+run wherever CUDA is present."""
 
 from __future__ import annotations
 
