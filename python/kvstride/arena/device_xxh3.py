@@ -18,7 +18,10 @@ import functools
 import numpy as np
 import torch
 
-__all__ = ["eligible", "keys_for", "launch_xxh3_rows"]
+__all__ = ["WARPS", "eligible", "keys_for", "launch_xxh3_rows"]
+
+#: Warps of a program: 64 threads for a block's 128 words, two (16 bytes) a thread.
+WARPS = 2
 
 _SECRET = bytes.fromhex(
     "b8fe6c3923a44bbe7c01812cf721ad1cded46de9839097db7240a4a4b7b3671f"
@@ -130,4 +133,4 @@ def launch_xxh3_rows(origin: torch.Tensor, table: torch.Tensor, first: int, coun
         return
     _kernel()[(count,)](origin.view(torch.int64), origin.data_ptr(), table, table.shape[1], first, address_row,
                         length_row, keys_for(origin.device), out if expected is None else expected, out,
-                        CHECK=expected is not None, num_warps=2)
+                        CHECK=expected is not None, num_warps=WARPS)
