@@ -17,6 +17,10 @@ export PIP_DISABLE_PIP_VERSION_CHECK := 1
 DEMO_DEPS := "numpy>=1.22" "torch==2.13.*" "xxhash>=3" "tqdm>=4" "matplotlib>=3.5"
 PY_DEPS := $(DEMO_DEPS) "mooncake-transfer-engine-non-cuda==0.3.13.post1"
 TEST_DEPS := "pytest>=7" "hypothesis>=6" "cbor2>=5.4"
+# The Python tier runs the CUDA copy and hash kernels under Triton's interpreter and compiles them
+# for a GPU offline (PyTorch's CUDA builds bring Triton; its CPU build does not). Not in vLLM's
+# venv: the CPU build of vLLM runs without it.
+KERNEL_TEST_DEPS := "triton==3.7.*"
 
 # vLLM lives in a venv of its own (3.5 GB; its registry torchvision/torchaudio/torchcodec are
 # CUDA builds that break `import vllm` next to the CPU torch, so they are removed last).
@@ -40,7 +44,7 @@ system-deps:
 	fi
 
 setup: $(PY) system-deps
-	$(PY) -m pip install -q $(PY_DEPS) $(TEST_DEPS)
+	$(PY) -m pip install -q $(PY_DEPS) $(TEST_DEPS) $(KERNEL_TEST_DEPS)
 
 build: setup
 	$(VENV)/bin/maturin develop -q --release
