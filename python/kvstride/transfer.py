@@ -181,9 +181,10 @@ def staging_bytes_for(layout: KVLayout, tokens_per_step: int, planner, header_ro
     (``planner.hashes_per_block[g] > 0``; scratch rings are never staged) puts at most
     ``cdiv(T + S - 1, B_g)`` blocks, or hand-off states, of which this rank puts its share under
     TP striding (``planner.replication``), each entry at the pool's alignment. The pool gives
-    saves at least that and loads ``LOAD_SHARE`` of it, at least one block of every group. A step whose saves exceed it (many requests crossing a block boundary
-    at once) still saves: its batches stream through the pool. ``header_room``: what the
-    engine will stage before each block (``header_room_for``)."""
+    saves at least that and loads ``LOAD_SHARE`` of it, at least one block of every group. A
+    step whose saves exceed it (many requests crossing a block boundary at once) still saves:
+    its batches stream through the pool. ``header_room``: what the engine will stage before
+    each block (``header_room_for``)."""
     tokens = int(tokens_per_step)
     if tokens <= 0:
         raise ValueError(f"tokens_per_step must be positive, got {tokens_per_step}")
