@@ -43,7 +43,7 @@ import numpy as np
 import torch
 
 from .arena import device_xxh3
-from .arena.device import CHUNK_BYTES, BlockKernels, chunk_sizes, on_side_stream, recorded, used_on
+from .arena.device import CHUNK_BYTES, BlockKernels, chunk_sizes, on_side_stream, recorded, to_host, used_on
 from .copies import PieceTable
 from .layout import KVLayout
 from .stores.base import HEADER_BYTES, _with_header_room
@@ -304,6 +304,7 @@ class Transfer:
         # With the kernels, take a gather's digests and check a scatter's on the device (XXH3 of
         # values the kernel takes; payloads start 16-byte aligned in the pool).
         self.digests_on_device = False
+        self._hashable = all(device_xxh3.eligible(g.block_bytes) for g in layout.groups)
         self._hash_stream = torch.cuda.Stream(device=self.device) if self.cuda else None
 
     def digests_ride_copies(self, mac_secret=None) -> bool:
@@ -312,8 +313,7 @@ class Transfer:
         tag), the device kernels with ``digests_on_device`` for XXH3 of values the kernel takes."""
         if self.kernels is None:
             return True
-        return (self.digests_on_device and mac_secret is None and self.header_room % 16 == 0
-                and all(device_xxh3.eligible(g.block_bytes) for g in self.layout.groups))
+        return self.digests_on_device and mac_secret is None and self.header_room % 16 == 0 and self._hashable
 
     def make_header_room_for(self, store) -> None:
         """Stage room for ``store``'s value header before each entry from now on
@@ -444,9 +444,7 @@ class Transfer:
                 if digests and self._hash_stream is not None:  # the next gather reuses the staging
                     self.stream.wait_stream(self._hash_stream)
             if digests:
-                on_host = torch.empty(len(payloads), dtype=torch.int64, pin_memory=self.cuda)
-                on_host.copy_(found, non_blocking=True)
-                batch.digests = on_host.numpy().view(np.uint64)
+                batch.digests = to_host(found).numpy().view(np.uint64)
                 for tensor in (staging, table, found):
                     used_on(tensor, self._hash_stream)
             return Fence(recorded(self.stream), read)
@@ -456,13 +454,13 @@ class Transfer:
         entries with ``ok``, chunk by chunk on the scatter stream; with ``expected``, only those
         whose staged bytes have that XXH3 (checked on the device; ``batch.verified`` says which,
         filled once the fence completed)."""
-        payloads = self._entries(batch)[3]
-        entries = self._entries(batch, ok)
+        _, all_groups, all_block_ids, payloads = self._entries(batch)
+        kept = np.arange(len(batch.blocks)) if ok is None else np.flatnonzero(np.asarray(ok, dtype=bool))
         if expected is not None:
             batch.verified = np.zeros(len(batch.blocks), dtype=bool)
-        if entries is None:
+        if not len(kept):
             return Fence()
-        kept, groups, block_ids, _ = entries
+        groups, block_ids = all_groups[kept], all_block_ids[kept]
         kernels = self.kernels
         with on_side_stream(self._scatter_stream, after):
             chunks = self._chunks(batch, payloads, growing=True)
@@ -485,9 +483,7 @@ class Transfer:
             if flags is not None:
                 verified = torch.zeros(len(batch.blocks), dtype=torch.bool, device=self.device)
                 verified[torch.from_numpy(kept).to(self.device, non_blocking=True)] = flags != 0
-                on_host = torch.empty(len(batch.blocks), dtype=torch.bool, pin_memory=self.cuda)
-                on_host.copy_(verified, non_blocking=True)
-                batch.verified = on_host.numpy()
+                batch.verified = to_host(verified).numpy()
             return Fence(recorded(self._scatter_stream))
 
     def gather(self, batch: StagedBatch, *, digests: bool = False) -> Fence:

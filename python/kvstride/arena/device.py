@@ -52,7 +52,7 @@ from kvstride.arena import device_xxh3
 from kvstride.copies import PieceTable
 
 __all__ = ["BlockKernels", "DeviceCopier", "CHUNK_BYTES", "COPY_PROGRAMS", "DMA_RUNS", "access_width", "chunk_sizes",
-           "copy_rows", "launch_copy_rows", "on_side_stream", "recorded", "slot_runs", "used_on"]
+           "copy_rows", "launch_copy_rows", "on_side_stream", "recorded", "slot_runs", "to_host", "used_on"]
 
 #: One chunk at most: a save's device staging, and the bytes whose digests are computed (saves)
 #: or checked (loads) while the previous or next chunk copies.
@@ -355,11 +355,13 @@ class DeviceCopier:
         runs = slot_runs(slots)
         return runs if len(runs) <= self.dma_runs else None
 
-    def _host_rows(self, first: int, count: int) -> torch.Tensor:
-        return self.host[first * self.slot_bytes:(first + count) * self.slot_bytes]
-
-    def _staging_rows(self, staging: torch.Tensor, first: int, count: int) -> torch.Tensor:
-        return staging[first * self.slot_bytes:(first + count) * self.slot_bytes]
+    def _copy_runs_in(self, staging: torch.Tensor, runs: List[Tuple[int, int, int]], row: int = 0) -> None:
+        """The copy engine moves each ``(position, first slot, count)`` run of slots into
+        ``staging``'s rows from ``row + position`` on."""
+        size = self.slot_bytes
+        for position, first, count in runs:
+            start = (row + position) * size
+            staging[start:start + count * size].copy_(self.host[first * size:(first + count) * size], non_blocking=True)
 
     # ---- saves -------------------------------------------------------------------------
 
@@ -398,10 +400,7 @@ class DeviceCopier:
                     self.kernels.rows(table[3:], int(part[0]), len(part), int(lengths[part].max()), self.kernels.programs)
                 if hashed and self._hash_stream is not None:  # the next gather reuses the staging
                     self._save_stream.wait_stream(self._hash_stream)
-            found_on_host = None
-            if hashed:
-                found_on_host = torch.empty(len(slots), dtype=torch.int64, pin_memory=self.device.type == "cuda")
-                found_on_host.copy_(found, non_blocking=True)
+            found_on_host = to_host(found) if hashed else None
             if caller is not None:  # later kernels on the caller's stream wait for the reads alone
                 caller.wait_event(events[-1])  # (the gathers are in order on one stream)
             events = events[1:] + [recorded(self._save_stream)] if caller is not None else [None] * len(parts)
@@ -437,8 +436,7 @@ class DeviceCopier:
                 copied[order[part[good]]] = True
                 runs = self._link_runs(slots[part]) if table is not None and good.all() else None
                 if runs is not None:  # one copy a run into staging, then a scatter on the device
-                    for position, first, count in runs:
-                        self._staging_rows(staging, position, count).copy_(self._host_rows(first, count), non_blocking=True)
+                    self._copy_runs_in(staging, runs)
                     self._copy_blocks(groups, block_ids, staged, part, table[3:], False, True)
                 elif good.all():
                     self._copy_blocks(groups, block_ids, at, part, table, False, False)
@@ -470,9 +468,7 @@ class DeviceCopier:
                     self._load_stream.wait_event(scattered[k - 2])
                 runs = self._link_runs(slots[part])
                 if runs is not None:
-                    for position, first, count in runs:
-                        self._staging_rows(staging, k % 2 * largest + position, count).copy_(
-                            self._host_rows(first, count), non_blocking=True)
+                    self._copy_runs_in(staging, runs, k % 2 * largest)
                 else:
                     kernels.rows(table[3:], int(part[0]), len(part), int(lengths[part].max()), kernels.programs)
                 with on_side_stream(self._check_stream, recorded(self._load_stream)):
@@ -482,8 +478,7 @@ class DeviceCopier:
                     scattered.append(recorded(self._check_stream))
             if self._check_stream is not None:
                 self._load_stream.wait_stream(self._check_stream)
-            checked = torch.empty(len(slots), dtype=torch.int64, pin_memory=self.device.type == "cuda")
-            checked.copy_(flags, non_blocking=True)
+            checked = to_host(flags)
             done = recorded(self._load_stream)
             for tensor in (staging, table, flags):
                 used_on(tensor, self._check_stream)
@@ -492,6 +487,13 @@ class DeviceCopier:
         copied = np.zeros(len(slots), dtype=bool)
         copied[order] = checked.numpy() != 0
         return copied, done
+
+
+def to_host(tensor: torch.Tensor) -> torch.Tensor:
+    """A host copy of ``tensor`` queued on the current stream (pinned from a GPU, so that the copy
+    does not wait on the host): read it once an event recorded after it completed."""
+    on_host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=tensor.device.type == "cuda")
+    return on_host.copy_(tensor, non_blocking=True)
 
 
 def used_on(tensor: Optional[torch.Tensor], stream) -> None:
