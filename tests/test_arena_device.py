@@ -15,6 +15,7 @@ import pytest
 import torch
 
 import kvdata
+from interpreted import run_under_triton_interpreter
 from kvstride.arena import HostArena
 from kvstride.arena.device import DeviceCopier, slot_runs
 from kvstride.layout import KVLayout
@@ -216,14 +217,7 @@ def test_the_copy_kernels_move_every_byte_and_nothing_else():
     a tile; XXH3-64 on the device against the host's; the arena's saves and loads through them
     on every layout, chunked, byte for byte what the region copier writes, entries that fail
     their check (on the host, or on the device against their digests) left unwritten."""
-    import subprocess
-    import sys
-
-    import triton  # noqa: F401  (make installs it: a missing Triton fails, it never skips)
-    if torch.cuda.is_available():
-        pytest.skip("the kernels run on the GPU in the CUDA tests (older Tritons cannot interpret them)")
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join([os.path.dirname(__file__), os.environ.get("PYTHONPATH", "")]))
-    done = subprocess.run([sys.executable, "-c", KERNELS_ON_CPU], env=env, capture_output=True, text=True, timeout=600)
+    done = run_under_triton_interpreter(KERNELS_ON_CPU)
     assert done.stdout.strip() == "ok", done.stderr[-3000:]
 
 

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import kvdata
+from interpreted import run_under_triton_interpreter
 from kvstride import _core
 from kvstride.engine import LoadRequest, OffloadEngine, SaveRequest
 from kvstride.layout import KVLayout
@@ -298,15 +299,7 @@ def test_the_copy_kernels_stage_every_layout_byte_for_byte():
     the digests on the device, a gather's are the Rust copier's and a checked scatter leaves an
     entry whose bytes changed unwritten; and an engine saves into Mooncake and loads back
     through it, the store hashing the staged values or the copies taking their digests."""
-    import os
-    import subprocess
-    import sys
-
-    import triton  # noqa: F401  (make installs it: a missing Triton fails, it never skips)
-    if torch.cuda.is_available():
-        pytest.skip("the kernels run on the GPU in the CUDA tests (older Tritons cannot interpret them)")
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join([os.path.dirname(__file__), os.environ.get("PYTHONPATH", "")]))
-    done = subprocess.run([sys.executable, "-c", KERNELS_ON_CPU], env=env, capture_output=True, text=True, timeout=600)
+    done = run_under_triton_interpreter(KERNELS_ON_CPU)
     assert done.stdout.strip().endswith("ok"), done.stderr[-3000:]
 
 
