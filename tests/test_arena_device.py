@@ -285,6 +285,9 @@ class Streams:
         def synchronize(self) -> None:
             pass
 
+        def query(self) -> bool:
+            return False  # nothing runs in the model
+
     def node(self, stream, label: str) -> int:
         follows = stream.waits | ({stream.last} if stream.last is not None else set())
         self.after.append(follows - {None})
@@ -315,7 +318,8 @@ class Streams:
         import kvstride.transfer
         from kvstride.arena import device, device_xxh3
 
-        launches = {"gather": [], "drain": [], "hash": [], "copy in": [], "check": [], "scatter": []}
+        launches = {"gather": [], "drain": [], "hash": [], "copy in": [], "check": [], "scatter": [],
+                    "gathered groups": []}
 
         @contextlib.contextmanager
         def stream(s):
@@ -327,6 +331,8 @@ class Streams:
 
         def blocks(kernels, table, groups, first, count, to_entries, programs, flags=None):
             launches["gather" if to_entries else "scatter"].append(self.launch("blocks"))
+            if to_entries:
+                launches["gathered groups"].append(set(groups[first:first + count].tolist()))
 
         def rows(kernels, table, first, count, longest, programs):
             launches["drain" if self.current[-1].name == "save" else "copy in"].append(self.launch("rows"))
@@ -359,19 +365,27 @@ def _ordered_copier(monkeypatch):
 
 
 def test_a_device_save_is_ordered_against_the_callers_stream_and_its_staging(monkeypatch):
-    """A save with its digests on the device, on modelled CUDA streams: the caller's later work
-    follows every gather; a chunk's gather follows the drain and the hash of the one before it
-    (they read the staging it overwrites); each hash runs beside its drain, not after it; the
-    last chunk's event follows every drain and hash."""
+    """A save with its digests on the device, on modelled CUDA streams: the caller's next work
+    runs beside the gathers, and once the caller fenced the blocks of one chunk its later work
+    follows that chunk's gather (and the earlier ones on the save's stream), not the later
+    chunks'; a chunk's gather follows the drain and the hash of the one before it (they read
+    the staging it overwrites); each hash runs beside its drain, not after it; the last
+    chunk's event follows every drain and hash."""
     copier, streams, launches = _ordered_copier(monkeypatch)
     slots = np.arange(12)
     chunks, _ = copier.save(slots, np.zeros(12, dtype=np.int64), slots + 1, digests=True)
-    later = streams.launch("the caller's next kernel")
+    beside = streams.launch("the caller's next kernel")
+    assert copier.layout.fence([100, 200]) == 0  # blocks no save reads
+    assert copier.layout.fence(slots[chunks[2][0]][:1] + 1) == 1
+    later = streams.launch("a kernel that rewrites a block of the third chunk")
     gather, drain, hash_ = launches["gather"], launches["drain"], launches["hash"]
     assert len(gather) == len(drain) == len(hash_) == len(chunks) == 5
     before = streams.before
+    assert copier.layout.fence(None) == 2  # blocks unknown: every read still pending
     for k in range(5):
-        assert before(gather[k], later) and before(gather[k], drain[k]) and before(gather[k], hash_[k])
+        assert not before(gather[k], beside)
+        assert before(gather[k], later) == (k <= 2)
+        assert before(gather[k], drain[k]) and before(gather[k], hash_[k])
         assert not before(drain[k], hash_[k]) and not before(hash_[k], drain[k])
         assert before(drain[k], chunks[k][1].node) and before(hash_[k], chunks[-1][1].node)
         if k:
@@ -404,9 +418,10 @@ def test_a_device_load_checked_on_the_device_is_ordered(monkeypatch):
 
 def test_a_staged_gather_is_ordered_against_the_callers_stream_and_its_staging(monkeypatch):
     """The staging pool's device gather with its digests, on modelled CUDA streams: the caller's
-    stream, once it waited for the fence, runs its later work after every gather; a chunk's
-    gather follows the drain and the hash of the one before; hashes run beside the drains; the
-    fence completes after all of them."""
+    next work runs beside the gathers; once the caller fenced a block of the last chunk, or
+    waited for the fence, its later work follows every gather; a chunk's gather follows the
+    drain and the hash of the one before; hashes run beside the drains; the fence completes
+    after all of them."""
     from kvstride.transfer import StagingPool, Transfer
 
     kv, groups = kvdata.flash_attn(nb=40, bs=64)
@@ -416,12 +431,16 @@ def test_a_staged_gather_is_ordered_against_the_callers_stream_and_its_staging(m
     streams = Streams()
     launches = streams.install(monkeypatch, transfer, {"stream": "save", "_hash_stream": "hash", "_scatter_stream": "load"})
     fence = transfer.gather(transfer.stage([(0, b) for b in range(1, 13)]), digests=True)
+    beside = streams.launch("the caller's next kernel")
+    assert layout.fence([12]) == 1  # the last chunk's block
+    fenced = streams.launch("a kernel that rewrites block 12")
     fence.wait_stream(streams.current[0])
-    later = streams.launch("the caller's next kernel")
+    later = streams.launch("a kernel after the fence")
     gather, drain, hash_ = launches["gather"], launches["drain"], launches["hash"]
     assert len(gather) == len(drain) == len(hash_) == 5
     before = streams.before
     for k in range(5):
+        assert not before(gather[k], beside) and before(gather[k], fenced)
         assert before(gather[k], later) and before(gather[k], drain[k]) and before(gather[k], hash_[k])
         assert not before(drain[k], hash_[k]) and not before(hash_[k], drain[k])
         assert before(drain[k], fence._event.node) and before(hash_[k], fence._event.node)
@@ -429,20 +448,72 @@ def test_a_staged_gather_is_ordered_against_the_callers_stream_and_its_staging(m
             assert before(drain[k - 1], gather[k]) and before(hash_[k - 1], gather[k])
 
 
+@pytest.mark.parametrize("path", ["staged", "direct"])
+def test_planned_saves_make_the_callers_stream_wait_only_for_the_groups_it_does_not_fence(monkeypatch, path):
+    """The engine's planned saves through the staging pool or into the arena's slots, on
+    modelled CUDA streams: a group the caller does not fence (a hand-off state, rewritten in
+    place) is gathered first and the caller's stream waits for it at once; the fenced group's
+    gathers run beside the caller's next work until ``fence`` names one of their blocks."""
+    from test_transfer import BytesStore
+
+    from kvstride import _core
+    from kvstride.arena import ArenaSlots
+    from kvstride.engine import OffloadEngine
+    from kvstride.transfer import StagingPool, Transfer
+
+    kv_a, groups_a = kvdata.flash_attn(nb=40, bs=64, prefix="a")
+    kv_b, groups_b = kvdata.flash_attn(nb=40, bs=64, prefix="b")
+    layout = KVLayout({**kv_a, **kv_b}, groups_a + groups_b)
+    chunk = 3 * layout.groups[0].block_bytes
+    planner = _core.KeyPlanner([_core.GroupSpec("full_attention", 64)] * 2, hash_block_size=64, scheduler_block_size=64,
+                               namespace="fenced")
+    streams = Streams()
+    fenced = list(range(1, 10))
+    blocks = [(0, b) for b in fenced] + [(1, b) for b in (20, 21, 22)]
+    if path == "staged":
+        transfer = Transfer(layout, StagingPool(8 << 20), kernels=True, chunk_bytes=chunk)
+        launches = streams.install(monkeypatch, transfer, {"stream": "save", "_hash_stream": "hash", "_scatter_stream": "load"})
+        engine = OffloadEngine(planner, transfer, BytesStore())
+        entries = [(f"{g}-{b}", g, b) for g, b in blocks]
+    else:
+        store = ArenaSlots(16, copier="device")
+        engine = OffloadEngine(planner, layout, store)
+        arena = store.arena
+        arena._device = DeviceCopier(layout, arena.buffer, arena.slot_bytes, arena._pieces, chunk_bytes=chunk,
+                                     kernels=True)
+        launches = streams.install(monkeypatch, arena._device, {"_save_stream": "save", "_load_stream": "load",
+                                                                "_hash_stream": "hash", "_check_stream": "check"})
+        entries = [(slot, g, b) for slot, (g, b) in enumerate(blocks)]
+    engine.submit_planned(puts={7: entries}, fenced_groups=[0])
+    beside = streams.launch("the caller's next kernel")
+    assert engine.fence(fenced[-1:]) == 1
+    later = streams.launch("a kernel that rewrites a block of group 0")
+    gathers, groups = launches["gather"], launches["gathered groups"]
+    assert groups[0] == {1} and all(g == {0} for g in groups[1:]), groups
+    before = streams.before
+    assert before(gathers[0], beside)
+    assert not any(before(gather, beside) for gather in gathers[1:])
+    assert all(before(gather, later) for gather in gathers)
+    assert engine.wait_idle(30)
+    engine.shutdown()
+
+
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 
 @cuda
 def test_cuda_a_block_rewritten_right_after_its_save_is_saved_as_it_was():
-    """The caller's stream rewrites the saved blocks at once after ``save`` returned: the slots
-    hold the bytes from before (the caller's later kernels wait for the gathers)."""
+    """The caller's stream fences the saved blocks and rewrites them at once after ``save``
+    returned: the slots hold the bytes from before (the fenced kernels wait for the gathers)."""
     kv, groups = kvdata.flash_attn(nb=64, bs=16, heads=8, dim=128)
     kvdata.fill_random([t for t in kv.values()], seed=3)
     on_host = {k: v.clone() for k, v in kv.items()}  # the same bytes, for the region copier
     kv = {k: v.cuda() for k, v in kv.items()}
-    arena = HostArena(KVLayout(kv, groups), 64)
+    layout = KVLayout(kv, groups)
+    arena = HostArena(layout, 64)
     blocks, zeros = np.arange(64), np.zeros(64, dtype=np.int64)
     chunks, _ = arena._device.save(blocks, zeros, blocks)
+    layout.fence(blocks)
     for t in kv.values():
         t.zero_()  # queued on the caller's stream right behind the save
     for _, done in chunks:

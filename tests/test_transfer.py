@@ -435,6 +435,28 @@ def test_cuda_save_is_read_before_the_caller_rewrites_its_blocks():
 
 
 @cuda_only
+def test_cuda_planned_saves_are_read_before_a_fenced_block_is_rewritten():
+    """The connector's path: ``submit_planned`` with the group fenced leaves the caller's stream
+    free, and ``fence`` on the blocks before rewriting them keeps the KV written right after
+    out of the store. The gathers are held back on the side stream to make the race certain."""
+    kv, planner, store, engine, hashes = _cuda_engine()
+    table = list(range(1, 33))
+    puts = planner.plan_save(hashes, [table], 32 * 16).puts
+    want = {key: _block(kv, b) for key, _, b in puts}
+    caller = torch.cuda.Stream()
+    with torch.cuda.stream(engine.transfer.stream):
+        torch.cuda._sleep(200_000_000)  # the side stream is busy: the gathers run late
+    with torch.cuda.stream(caller):
+        engine.submit_planned(puts={1: puts}, fenced_groups=[0])
+        assert engine.fence(table) > 0  # vLLM hands the blocks out again
+        kv.zero_()  # the next step's writes, queued on the caller's stream at once
+    assert engine.wait_idle(60) and engine.get_finished().jobs_done == {1: "ok"}
+    assert store.values.keys() == want.keys()
+    assert all(store.values[key] == value for key, value in want.items())
+    engine.shutdown()
+
+
+@cuda_only
 @pytest.mark.parametrize("direct", [False, True], ids=["staged", "direct"])
 def test_cuda_load_writes_after_the_callers_pending_work(direct):
     """B4: a load's scatter (or, into a direct store's slots, its copy) runs on the load lane's

@@ -48,7 +48,7 @@ import queue
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Sequence, Tuple, Union
+from typing import Dict, Iterable, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
@@ -155,6 +155,9 @@ class _SaveJob:
     in_flight: int = 0  # batches handed to the save lane and not put yet
     staging: bool = True  # submit is still copying batches
     job_id: Optional[int] = None  # a save job planned elsewhere (its owners are this id)
+    # Groups whose blocks the caller fences itself (``OffloadEngine.fence``) before writing them
+    # again; the caller's stream waits at once for the reads of every other group's blocks.
+    fenced_groups: frozenset = frozenset()
 
 
 @dataclass
@@ -553,6 +556,8 @@ class OffloadEngine:
         self,
         puts: Optional[Dict[int, List[Tuple[str, int, int]]]] = None,
         gets: Optional[Dict[str, List[Tuple[str, int, int]]]] = None,
+        *,
+        fenced_groups: Iterable[int] = (),
     ) -> int:
         """Execute one step's work that a planner elsewhere planned (the vLLM connector's
         scheduler, which holds the requests' offsets): ``puts`` maps a save job id to its
@@ -561,8 +566,15 @@ class OffloadEngine:
         ``Finished.jobs_done`` (``"ok"``, ``"failed"`` if a put failed, else ``"deferred"`` if some were
         left to a later step); ``gets`` maps a
         request id to the entries of its load, run on the load lane and reported like
-        ``submit``'s loads. Returns the step number."""
+        ``submit``'s loads. Returns the step number.
+
+        ``fenced_groups``: groups whose saved blocks the caller writes again only after
+        ``fence`` named them (vLLM: a block allocated anew). On CUDA the caller's stream then
+        does not wait for their reads, which run beside its later kernels; it waits at once
+        for the reads of the other groups' blocks (a hand-off state rewritten in place), which
+        are copied first."""
         puts, gets = dict(puts or {}), dict(gets or {})
+        fenced = frozenset(int(g) for g in fenced_groups)
         self._refuse_if_planning_only()
         with self._lock:
             self._step += 1
@@ -578,9 +590,25 @@ class OffloadEngine:
                 loads = [LoadRequest(req_id, (), (), 0) for req_id in gets]
                 self._queue_load(_LoadJob(step, loads, [None] * len(loads), self._caller_stream_event(), planned=gets))
         for job_id, entries in puts.items():
-            job = _SaveJob(step, [], [], [], job_id=job_id)
+            job = _SaveJob(step, [], [], [], job_id=job_id, fenced_groups=fenced)
             self._run_save_job(job, functools.partial(self._execute_planned, entries=entries), [job_id])
         return step
+
+    def fence(self, block_ids: Optional[Iterable[int]]) -> int:
+        """Order the calling thread's current stream after every save still reading one of
+        ``block_ids`` (of any group; None: any block), so that the work queued next may write
+        them: on the device, no host sync; nothing on CPU, where a save's reads are done when
+        it returns. Returns how many reads it waits for."""
+        if self.layout is None:
+            return 0
+        return self.layout.fence(None if block_ids is None else np.fromiter(block_ids, dtype=np.int64))
+
+    def _fence_unfenced(self, job: _SaveJob, entries: List[Tuple[str, int, int]]) -> None:
+        """The caller's stream waits now for the reads of ``entries``' blocks that the caller
+        does not fence itself (``_SaveJob.fenced_groups``)."""
+        now = [block for _, group, block in entries if group not in job.fenced_groups]
+        if now:
+            self.layout.fence(now)
 
     def _refuse_if_planning_only(self) -> None:
         if self.layout is None:
@@ -603,6 +631,8 @@ class OffloadEngine:
         if len(kept) < len(entries):
             job.failed.add(job.job_id)
         job.owners = {key: [job.job_id] for key, _, _ in kept}
+        if job.fenced_groups:  # the blocks the caller's stream waits for are read first
+            kept = sorted(kept, key=lambda entry: entry[1] in job.fenced_groups)
         if self.direct:
             self._put_direct(job, kept)
         else:
@@ -1004,7 +1034,7 @@ class OffloadEngine:
                 break
             try:
                 fence = self.transfer.gather(batch, digests=self._fused_digests)
-                fence.wait_stream()  # the caller's stream writes these blocks only after the read
+                self._fence_unfenced(job, entries[position:end])
             except BaseException:
                 self._release_batch(batch)
                 raise
@@ -1098,6 +1128,7 @@ class OffloadEngine:
             put_start = time.perf_counter()
             begin = getattr(self.store, "save_blocks_begin", None)
             started = begin(keys, groups, block_ids) if begin is not None else self.store.save_blocks(keys, groups, block_ids)
+            self._fence_unfenced(job, entries)
             if callable(started):  # device copies still running: the save lane finishes them
                 with self._lock:
                     job.in_flight += 1

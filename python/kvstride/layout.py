@@ -23,15 +23,16 @@ at registration with a ``ValueError`` naming the tensor, its shape and strides.
 from __future__ import annotations
 
 import itertools
+import threading
 from dataclasses import dataclass
-from typing import Mapping, Optional, Sequence, Union
+from typing import List, Mapping, Optional, Sequence, Tuple, Union
 
 import numpy as np
 import torch
 
 from . import _core
 
-__all__ = ["Piece", "GroupLayout", "KVLayout", "MAX_PIECES_PER_TENSOR"]
+__all__ = ["Piece", "GroupLayout", "KVLayout", "PendingReads", "MAX_PIECES_PER_TENSOR"]
 
 #: More pieces than this for one tensor's block means a layout we would copy inefficiently
 #: (e.g. token-major with the block dimension innermost); refuse it.
@@ -145,6 +146,47 @@ def _tensor_pieces(name: str, t: torch.Tensor, bdim: int):
     return [(o, run, block_stride) for o in offs]
 
 
+class PendingReads:
+    """Reads of KV blocks queued on side streams (saves' gathers) that the caller's stream was not
+    made to wait for, each with the event it completes at: ``fence(block_ids, stream)`` orders
+    the stream after those that read any of ``block_ids``, before it writes them again. A read
+    is dropped once its event completed or a stream waited for it. Empty on CPU, where every
+    read is done when its call returns."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()  # saves add on the step's thread, the staging pool's too
+        self._reads: List[Tuple[np.ndarray, object]] = []
+
+    def __len__(self) -> int:
+        return len(self._reads)
+
+    def add(self, block_ids, event) -> None:
+        """A read of ``block_ids`` that completes with ``event`` (None: already done); the reads
+        already done are dropped, so that a caller that never fences keeps no more than runs."""
+        if event is not None and len(block_ids):
+            with self._lock:
+                self._reads = [read for read in self._reads if not read[1].query()]
+                self._reads.append((np.asarray(block_ids, dtype=np.int64), event))
+
+    def fence(self, block_ids, stream) -> int:
+        """Make ``stream`` wait (on the device, never the host) for every pending read of one of
+        ``block_ids`` (None: of any block); returns how many it waits for."""
+        wanted = None if block_ids is None else np.asarray(block_ids, dtype=np.int64)
+        waited = 0
+        with self._lock:
+            pending = []
+            for blocks, event in self._reads:
+                if event.query():
+                    continue
+                if wanted is None or np.isin(blocks, wanted).any():
+                    stream.wait_event(event)
+                    waited += 1
+                else:
+                    pending.append((blocks, event))
+            self._reads = pending
+        return waited
+
+
 class KVLayout:
     """Byte pieces of every group's blocks.
 
@@ -236,6 +278,7 @@ class KVLayout:
             )
         self.groups: tuple = tuple(out)
         self._fp = self._fingerprint(kv_caches, groups)
+        self.pending_reads = PendingReads()  # the device data paths' reads of these blocks
 
     def _storage_of(self, t: torch.Tensor):
         st = t.untyped_storage()
@@ -308,6 +351,14 @@ class KVLayout:
     def wait_event(self, event) -> None:
         """(CUDA) Order the calling thread's current stream after ``event`` (no host sync)."""
         torch.cuda.current_stream(self.device).wait_event(event)
+
+    def fence(self, block_ids) -> int:
+        """Order the calling thread's current stream after every save still reading one of
+        ``block_ids`` (``pending_reads``; None: any block), so that the work queued next may
+        write them: no host sync, nothing to do on CPU. Returns how many reads it waits for."""
+        if not len(self.pending_reads):
+            return 0
+        return self.pending_reads.fence(block_ids, torch.cuda.current_stream(self.device))
 
     def describe(self) -> str:
         lines = []

@@ -20,8 +20,9 @@ on return).  On CUDA they are the copy kernels of :mod:`kvstride.arena.device`, 
 staging laid out as the pool is (every core helping), then a kernel drains it into the pinned
 pool; a scatter copies the pool's range into device staging (the copy engine), then a kernel
 scatters it into the blocks.  The returned :class:`Fence` holds CUDA events: the caller's
-stream must wait for a gather's reads before it overwrites the blocks (``Fence.wait_stream``, no
-host sync), and the host for all of it before the store reads the pool (``Fence.wait``).
+stream must wait for a gather's reads before it overwrites the blocks (``Fence.wait_stream``, or
+per block ``KVLayout.fence``; no host sync), and the host for all of it before the store reads
+the pool (``Fence.wait``).
 
 With ``Transfer.header_room`` set (the engine sets it for a store that takes it,
 ``KVStore.takes_header_room``), each entry is staged after that many free bytes, room for the
@@ -416,7 +417,8 @@ class Transfer:
     def _kernel_gather(self, batch: StagedBatch, digests: bool) -> Fence:
         """KV blocks -> device staging laid out as the pool (every core helping) -> the pool, chunk
         by chunk on the gather stream; the fence's read event follows the last chunk's gather
-        (which, staging holding one chunk, follows the earlier chunks' drains).
+        (which, staging holding one chunk, follows the earlier chunks' drains), and each chunk's
+        gather joins the layout's ``pending_reads``.
         ``digests``: each value's XXH3 from the staging, beside the drain, into ``batch.digests``
         (filled once the fence completed)."""
         _, groups, block_ids, payloads = self._entries(batch)
@@ -436,6 +438,7 @@ class Transfer:
             for k, (first, end, _, nbytes) in enumerate(chunks):
                 kernels.blocks(table, groups, first, end - first, True, kernels.device_programs)
                 read = recorded(self.stream)
+                self.layout.pending_reads.add(block_ids[first:end], read)
                 if digests:
                     with on_side_stream(self._hash_stream, read):
                         device_xxh3.launch_xxh3_rows(kernels.origin, table, first, end - first, 2, 6, found)
@@ -491,7 +494,8 @@ class Transfer:
         ``batch.digests``, each entry's XXH3-64 (the store's payload hash), computed while the
         bytes are in cache or in device staging (then filled once the fence completed).
         CUDA: the blocks are read on the side stream; the caller's stream must wait for the
-        fence (``Fence.wait_stream``) before it writes them again."""
+        fence (``Fence.wait_stream``), or fence the blocks (``KVLayout.fence``), before it
+        writes them again."""
         if self.kernels is None:
             return self._cpu_copy(batch, to_pool=True, digests=digests)
         if digests and not self.digests_ride_copies():

@@ -10,12 +10,12 @@ whatever its groups, pieces and slots, and such a copy runs on a few of the GPU'
 A save runs on a stream of its own that first waits for the work the caller queued on its
 stream: per chunk, a kernel gathers the blocks' pieces into device staging laid out as the
 slots are (at the device memory's speed, every core helping), then a kernel drains the staging
-into the pinned slots. The caller's stream waits (on the device, never the host) for the last
-gather, so later kernels cannot overwrite a block before it was read. Staging holds one chunk,
-so that gather follows the drains of the chunks before it: the caller's later kernels wait for
-all of a save's host-link copy but its last chunk (none for a save of one chunk). The caller's
-thread only enqueues: launches cost it the same at any size (the copy engine's commands do
-not), which keeps a 2 GiB save to about a millisecond of its time.
+into the pinned slots. Staging holds one chunk, so a chunk's gather follows the drains of the
+chunks before it. The caller's stream does not wait: each chunk's gather is kept in the
+layout's ``pending_reads`` with its blocks, and the caller fences the blocks it is about to
+write again (``KVLayout.fence``: its stream waits, on the device, for the gathers that read
+them). The caller's thread only enqueues: launches cost it the same at any size (the copy
+engine's commands do not), which keeps a 2 GiB save to about a millisecond of its time.
 
 A load runs on the load lane's thread, on a stream of its own: per chunk, when its slots form
 few runs (``DMA_RUNS``), the copy engine moves each run into device staging and a kernel
@@ -371,13 +371,14 @@ class DeviceCopier:
 
     def save(self, slots: np.ndarray, groups: np.ndarray, block_ids: np.ndarray, after=None,
              digests: bool = False) -> Tuple[List[Tuple[np.ndarray, Optional["torch.cuda.Event"]]], Optional[torch.Tensor]]:
-        """Copy each block into its slot, chunk by chunk; returns ``(positions, event)`` per
-        chunk: the positions of its entries and an event (CUDA) that completes when their
-        bytes are in the host slots, or None when they are (CPU); and, with ``digests`` where
-        ``hashes_on_device``, each value's XXH3-64 (an int64 host tensor, filled once the last
-        chunk's event completed), else None. ``after``: an event the gathers follow (default:
-        the work queued on the calling thread's current stream)."""
-        caller = torch.cuda.current_stream(self.device) if self._save_stream is not None else None
+        """Copy each block into its slot, chunk by chunk, in the order given; returns
+        ``(positions, event)`` per chunk: the positions of its entries and an event (CUDA)
+        that completes when their bytes are in the host slots, or None when they are (CPU);
+        and, with ``digests`` where ``hashes_on_device``, each value's XXH3-64 (an int64 host
+        tensor, filled once the last chunk's event completed), else None. ``after``: an event
+        the gathers follow (default: the work queued on the calling thread's current stream).
+        Each chunk's gather joins the layout's ``pending_reads``: fence the blocks
+        (``KVLayout.fence``) before the caller's stream writes them again."""
         hashed = digests and self.hashes_on_device(groups)
         events = []
         with on_side_stream(self._save_stream, after):
@@ -389,6 +390,7 @@ class DeviceCopier:
             for part in parts:
                 self._copy_blocks(groups, block_ids, staged, part, table, True, True)
                 gathered = recorded(self._save_stream)
+                self.layout.pending_reads.add(block_ids[part], gathered)
                 # The stream's order: the previous chunk's drain is done once this gather is.
                 events.append(gathered)
                 if hashed:  # beside the drain, on a stream of its own
@@ -401,9 +403,7 @@ class DeviceCopier:
                 if hashed and self._hash_stream is not None:  # the next gather reuses the staging
                     self._save_stream.wait_stream(self._hash_stream)
             found_on_host = to_host(found) if hashed else None
-            if caller is not None:  # later kernels on the caller's stream wait for the reads alone
-                caller.wait_event(events[-1])  # (the gathers are in order on one stream)
-            events = events[1:] + [recorded(self._save_stream)] if caller is not None else [None] * len(parts)
+            events = events[1:] + [recorded(self._save_stream)] if self._save_stream is not None else [None] * len(parts)
             for tensor in (staging, table, found):
                 used_on(tensor, self._hash_stream)
         return list(zip(parts, events)), found_on_host

@@ -7,8 +7,8 @@ One copy each way: a save copies block pieces from the KV cache straight into th
 load from the slot straight into the destination blocks (raw region copies in the Rust core,
 GIL released, spread over cores for large batches). Device tensors go through
 :mod:`kvstride.arena.device` chunk by chunk: copy kernels that read and write the pinned
-slots, the copy engine for a load's runs of slots, a save through device staging so that the
-caller's stream waits for the gather alone.
+slots, the copy engine for a load's runs of slots, a save through device staging whose
+gathers the caller fences before it writes their blocks again (``KVLayout.fence``).
 """
 
 from __future__ import annotations
@@ -150,7 +150,7 @@ class HostArena:
         """``save`` whose device copies may still be running when it returns: None when it is
         done (the Rust region copies), else ``finish()``, which waits for them and then keeps
         the digests (until then the slots hold no value: call it off the caller's thread). The
-        caller may reuse the blocks at once: its later device work waits for the reads."""
+        caller fences the blocks (``KVLayout.fence``) before its device work writes them again."""
         slots, groups, block_ids = (np.asarray(a, dtype=np.int64) for a in (slots, groups, block_ids))
         self._check(slots, groups, block_ids)
         if self.copier == "regions":
