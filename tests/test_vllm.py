@@ -11,6 +11,7 @@ its own environment, see the Makefile).
 
 from __future__ import annotations
 
+import collections
 import ctypes
 import os
 import time
@@ -430,6 +431,62 @@ def test_window_blocks_after_failed_saves_are_stored_as_computed(model_dirs, mon
         harness.close(llm)
         kv_vllm.drop_shared_stores()
     assert not wrong, f"{len(wrong)} of {checked} stored blocks hold other bytes than their tokens' KV: {sorted(wrong)}"
+
+
+def test_every_block_a_step_hands_to_a_request_is_fenced_before_its_forward(model_dirs, monkeypatch):
+    """On CUDA a save's reads run beside the next steps' kernels, until the step about to write
+    one of its blocks is fenced. Each step's metadata must name every block vLLM's scheduling
+    handed to a request in that step (freed by a finished request or by a sliding window, and
+    given to another), as vLLM's own block tables show them before and
+    after the step's scheduling; and the worker fences exactly those blocks before the
+    forward (vLLM calls ``handle_preemptions`` there)."""
+    name = "gemma3"
+    prompts = [[(7 * i + 11 * k) % 500 + 3 for i in range(harness.PROMPT_TOKENS)] for k in range(3)]
+    kwargs = harness.engine_kwargs(
+        harness.MODELS[name], model_dirs[name], connector=_store_config("embedded", None, f"fence-{os.getpid()}"),
+        max_model_len=harness.PROMPT_TOKENS + 96, num_gpu_blocks_override=48,
+    )
+    llm = LLM(**kwargs)
+    try:
+        scheduler = harness.scheduler_of(llm)
+        manager = scheduler.kv_cache_manager
+        _, worker = _connectors(llm)
+
+        def owned():
+            return {rid: {b for table in manager.get_block_ids(rid) for b in table} for rid in scheduler.requests}
+
+        handed, metas, fenced = [], [], []
+        schedule, build, fence = scheduler.schedule, scheduler.connector.build_connector_meta, worker.engine.fence
+
+        def scheduling(*args, **kwargs):
+            before = owned()
+            output = schedule(*args, **kwargs)
+            after = owned()
+            handed.append(set().union(*(blocks - before.get(rid, set()) for rid, blocks in after.items())) - {0})
+            return output
+
+        def building(output):
+            metas.append(build(output))
+            return metas[-1]
+
+        def fencing(block_ids):
+            fenced.append(list(block_ids))
+            return fence(fenced[-1])
+
+        monkeypatch.setattr(scheduler, "schedule", scheduling)
+        monkeypatch.setattr(scheduler.connector, "build_connector_meta", building)
+        monkeypatch.setattr(worker.engine, "fence", fencing)
+        llm.generate([{"prompt_token_ids": p} for p in prompts], harness.sampling(64), use_tqdm=False)
+        harness.assert_idle(llm, None)
+    finally:
+        harness.close(llm)
+        kv_vllm.drop_shared_stores()
+    assert len(handed) == len(metas) and metas
+    for step, (blocks, meta) in enumerate(zip(handed, metas)):
+        assert blocks <= set(meta.allocated), f"step {step}: blocks {sorted(blocks - set(meta.allocated))} not named"
+    assert [meta.allocated for meta in metas if meta.allocated] == [f for f in fenced if f]
+    reused = [b for b, n in collections.Counter(b for blocks in handed for b in blocks).items() if n > 1]
+    assert reused, "the workload must hand blocks out again"
 
 
 # ---- the boundary rule in one place (issue 14.3, review B6) ----------------------------------

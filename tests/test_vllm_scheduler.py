@@ -60,10 +60,10 @@ def _config() -> ConnectorConfig:
 def _prefill_step(request, tokens: int, tables):
     """One step computing ``tokens`` of a new request; ``tables``: its block ids per group."""
     block_state = SimpleNamespace(get_block_ids=lambda rid: tuple(tables), boundary_state_offloads={})
-    new = SimpleNamespace(req_id=request.request_id, num_computed_tokens=0)
+    new = SimpleNamespace(req_id=request.request_id, num_computed_tokens=0, block_ids=tuple(tables))
     return SimpleNamespace(
         scheduled_new_reqs=[new],
-        scheduled_cached_reqs=SimpleNamespace(req_ids=[], num_computed_tokens=[]),
+        scheduled_cached_reqs=SimpleNamespace(req_ids=[], num_computed_tokens=[], new_block_ids=[]),
         num_scheduled_tokens={request.request_id: tokens},
         kv_connector_block_state=block_state,
         preempted_req_ids=set(),
@@ -212,7 +212,8 @@ def _step(request, computed: int, tokens: int, tables):
     step = _prefill_step(request, tokens, tables)
     if computed:
         step.scheduled_new_reqs = []
-        step.scheduled_cached_reqs = SimpleNamespace(req_ids=[request.request_id], num_computed_tokens=[computed])
+        step.scheduled_cached_reqs = SimpleNamespace(req_ids=[request.request_id], num_computed_tokens=[computed],
+                                                     new_block_ids=[None])
     return step
 
 
@@ -458,7 +459,7 @@ def test_a_blocked_head_on_a_shared_store_costs_one_bounded_call_per_validity():
 def _idle_step():
     """A step that schedules nothing (the one after the last request finished)."""
     return SimpleNamespace(
-        scheduled_new_reqs=[], scheduled_cached_reqs=SimpleNamespace(req_ids=[], num_computed_tokens=[]),
+        scheduled_new_reqs=[], scheduled_cached_reqs=SimpleNamespace(req_ids=[], num_computed_tokens=[], new_block_ids=[]),
         num_scheduled_tokens={}, kv_connector_block_state=SimpleNamespace(get_block_ids=lambda rid: None,
                                                                          boundary_state_offloads={}),
         preempted_req_ids=set(), finished_req_ids=set(),
@@ -570,3 +571,18 @@ def test_the_saved_offset_never_skips_a_deferred_or_failed_range():
         assert state.offset == 16 * BLOCK and not state.ahead
     finally:
         side.shutdown()
+
+
+def test_a_step_whose_allocations_cannot_be_read_fences_every_pending_save():
+    """A scheduler output without the step's new block ids (a vLLM that renamed them) leaves
+    the allocated blocks unknown (None), which the workers fence as every block, rather than
+    failing the step or naming none."""
+    store = CountingStore()
+    side = SchedulerSide(_config(), StorePlacement(store))
+    try:
+        step = _prefill_step(SimpleNamespace(request_id="unknown"), 2 * BLOCK, [[2, 1]])
+        assert side.build_connector_meta(step).allocated == [1, 2]
+        del step.scheduled_cached_reqs.new_block_ids
+        assert side.build_connector_meta(step).allocated is None
+    finally:
+        store.close()

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Dict, List, Tuple
+from typing import Dict, List, Optional, Tuple
 
 from kvstride.stores.placement import Entry
 
@@ -30,6 +30,9 @@ class KVStrideMetadata(KVConnectorMetadata):
     # key); req id -> the (record, slot, key, group) its load reads into slots first.
     disk_writes: Dict[int, List[Tuple[int, int, str]]] = field(default_factory=dict)
     disk_reads: Dict[str, List[Tuple[int, int, str, int]]] = field(default_factory=dict)
+    # Block ids the step's scheduling allocated anew (any group; None: unknown, every block):
+    # saves still reading one are waited for before the step's forward may write it.
+    allocated: Optional[List[int]] = field(default_factory=list)
 
 
 @dataclass

@@ -38,6 +38,14 @@ ABANDON_AFTER_STEPS = 64
 JUNCTION_MEMORY = 1 << 17
 
 
+def allocated_blocks(scheduler_output) -> List[int]:
+    """The block ids a step's scheduling handed to requests, of every group: a new or resumed
+    request's whole table (prefix hits included), a running request's new blocks."""
+    tables = [new.block_ids for new in scheduler_output.scheduled_new_reqs]
+    tables += [ids for ids in scheduler_output.scheduled_cached_reqs.new_block_ids if ids]
+    return sorted({block for per_group in tables for table in per_group for block in table})
+
+
 def _nothing_known(keys) -> List[bool]:
     """Plans keep every key; what need not be written is decided once for every rank's keys
     (``SchedulerSide._without_known``)."""
@@ -173,6 +181,11 @@ class SchedulerSide(Outcomes):
         self.lookups.step = self._step
         self._abandon_stale_jobs()
         meta = KVStrideMetadata(failed_loads=sorted(self._failed_allocs))
+        try:
+            meta.allocated = allocated_blocks(scheduler_output)
+        except Exception as err:  # the workers then wait for every pending save before the forward
+            self._log_once("allocated", "kvstride: this step's allocated blocks are unknown: %r", err)
+            meta.allocated = None
         loads = list(self._pending_loads.values())
         self._pending_loads.clear()
         self._failed_allocs.clear()

@@ -10,6 +10,12 @@ computed them (vLLM guarantees a hand-off block or a block leaving a sliding win
 until the end of that step): straight into the arena's slots, or into staging whose store
 puts run later on the engine's save lane, so no step waits for another request's saves and a
 finished request's blocks are free at once.
+
+On CUDA a save's reads of the KV cache run on a side stream beside the next steps' kernels. A
+block vLLM writes again was either allocated anew, and each step's metadata names the blocks
+its scheduling allocated, which the step's stream is fenced against before its forward
+(``handle_preemptions``), or it is a Mamba hand-off state rewritten in place, whose reads the
+step's stream waits for at once.
 """
 
 from __future__ import annotations
@@ -52,6 +58,9 @@ class WorkerSide(Outcomes):
         self._job_reports: Dict[int, List[int]] = {}
         self._corrupt: list = []  # what loads found corrupted, for the scheduler's placement
         self._saved_meta: Optional[KVStrideMetadata] = None  # the last metadata whose saves ran
+        # Groups whose saved blocks vLLM writes again only once it allocated them anew (every
+        # group but Mamba's, whose hand-off states the next step rewrites in place).
+        self._fenced_groups = frozenset(g for g, spec in enumerate(config.groups) if spec.kind != "mamba")
         self._tails_staged: set = set()  # finished requests whose tail saves left their blocks
         self._finished_seen: set = set()  # finished req ids vLLM named, not yet reported
         self._recv_done: set = set()  # loads completed, not yet reported to vLLM
@@ -146,7 +155,8 @@ class WorkerSide(Outcomes):
                 if self.engine is None:
                     self._job_reports.update((job_id, JOB_REPORTS["failed"]) for job_id in meta.saves)
                     raise RuntimeError("no KV caches registered")
-                self.engine.submit_planned(puts={job: rank_entries(puts, self.tp_rank) for job, puts in meta.saves.items()})
+                self.engine.submit_planned(puts={job: rank_entries(puts, self.tp_rank) for job, puts in meta.saves.items()},
+                                           fenced_groups=self._fenced_groups)
             elif self.engine is not None:  # a step without saves: the save lane lingers for nothing
                 self.engine.flush_puts()
         except Exception as err:
@@ -209,8 +219,15 @@ class WorkerSide(Outcomes):
         counts[1] += ended
 
     def handle_preemptions(self, kv_connector_metadata) -> None:
-        """Nothing to wait for: a save never reads a block after its step, and the offsets
-        of a preempted request live on the scheduler."""
+        """Before the step's forward: its stream waits (on the device) for the saves still
+        reading a block the step's scheduling allocated anew, the blocks of a preempted or
+        finished request included. The offsets of a preempted request live on the scheduler."""
+        try:
+            if isinstance(kv_connector_metadata, KVStrideMetadata) and self.engine is not None:
+                self.engine.fence(kv_connector_metadata.allocated)
+        except Exception as err:  # never into vLLM's step
+            self._log_once("fence", "kvstride: a step's fence against pending saves failed: %r", err)
+            self.count("worker_errors")
 
     def get_transfer_results(self, meta: Optional[KVStrideMetadata], finished_req_ids) -> KVConnectorTransferResults:
         """Loads done (failed ones also in ``failed_recving``: vLLM recomputes the request,
