@@ -10,7 +10,8 @@ pieces of 32 KiB), ``hybrid`` (full attention + sliding window + Mamba state lis
 ring, 64-token blocks), ``mla`` (one tensor per layer, 576 wide), ``fp8`` (``llama8b`` in
 float8). Per geometry: raw D2H and H2D, the engine's save and load each alone and both at once
 (a save of other blocks while a load runs), each as GB/s and as a ratio of raw (medians of
-``--reps``), and how long ``submit_planned`` held its caller for the save; then, not gated, a
+``--reps``), and how long ``submit_planned`` held its caller for the save, and its stream for
+the save's reads of the groups the connector does not fence (Mamba's); then, not gated, a
 save and a load whose slots are scattered (the copy kernels move them rather than the copy
 engine), the copies and the host's digests each alone, and the engine's save, load and both at
 once again with the digests taken and checked on the device (``DeviceCopier.digests_on_device``),
@@ -121,11 +122,36 @@ def setup(name: str, args, device, copies: int):
     planner = kvstride.KeyPlanner(specs, hash_block_size=H, scheduler_block_size=S, namespace=f"gpu-{name}")
     stored = [g for g, n in enumerate(planner.hashes_per_block) if n]
     entries = [(g, 1 + b) for g in stored for b in range(saved_blocks)]
-    return kv, names, layout, planner, stored, entries, saved_blocks
+    # The groups the vLLM connector fences on reallocation (all but Mamba's hand-off states).
+    fenced = [g for g, spec in enumerate(specs) if spec.kind != "mamba"]
+    return kv, names, layout, planner, stored, entries, saved_blocks, fenced
+
+
+class StreamWait:
+    """How long the caller's stream was held by what a call queued on it (a save's waits for its
+    reads), between two timing events on CUDA; nothing elsewhere."""
+
+    def __init__(self, device) -> None:
+        self.cuda = device.type == "cuda"
+        self.seconds = []
+
+    def around(self, call):
+        if not self.cuda:
+            return call()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        result = call()
+        end.record()
+        end.synchronize()
+        self.seconds.append(start.elapsed_time(end) / 1e3)
+        return result
+
+    def median_ms(self, first: int = 0) -> float:
+        return statistics.median(self.seconds[first:]) * 1e3 if self.seconds[first:] else 0.0
 
 
 def run(name: str, args, device) -> bool:
-    kv, names, layout, planner, stored, entries, saved_blocks = setup(name, args, device, 3)
+    kv, names, layout, planner, stored, entries, saved_blocks, fenced = setup(name, args, device, 3)
     store = ArenaSlots(2 * len(entries), copier=None if device.type == "cuda" else "device")
     engine = OffloadEngine(planner, layout, store)
     if args.programs:
@@ -152,12 +178,12 @@ def run(name: str, args, device) -> bool:
 
         both_raw = median_time(raw_both, args.reps, sync)
         saves = [(slot, g, b) for slot, (g, b) in enumerate(entries)]
-        holds, job = [], [0]
+        holds, job, stream_wait = [], [0], StreamWait(device)
 
         def save(puts):
             job[0] += 1
             start = time.perf_counter()
-            engine.submit_planned(puts={job[0]: puts})
+            stream_wait.around(lambda: engine.submit_planned(puts={job[0]: puts}, fenced_groups=fenced))
             holds.append(time.perf_counter() - start)
             engine.wait_idle()
             assert engine.get_finished().jobs_done.get(job[0]) == "ok", "a save failed"
@@ -169,7 +195,7 @@ def run(name: str, args, device) -> bool:
             assert rid in done.loads_done and not done.loads_failed, "a load failed"
 
         save_s = median_time(lambda: save(saves), args.reps, sync)
-        hold = statistics.median(holds)
+        hold, waited_ms = statistics.median(holds), stream_wait.median_ms()
         if args.profile:  # where the caller's hold goes, by function
             import cProfile
             import pstats
@@ -189,7 +215,7 @@ def run(name: str, args, device) -> bool:
             job[0] += 1
             loader = threading.Thread(target=engine.submit_planned, kwargs={"gets": {"both": gets}})
             loader.start()
-            engine.submit_planned(puts={job[0]: second})
+            engine.submit_planned(puts={job[0]: second}, fenced_groups=fenced)
             loader.join()
             engine.wait_idle()
             done = engine.get_finished()
@@ -264,7 +290,8 @@ def run(name: str, args, device) -> bool:
     if device_digest_s is not None:
         print(f"| digests alone (XXH3 of device memory, the GPU) | {gbs(device_digest_s):.1f} | |")
     print(f"\nsubmit_planned held its caller {hold * 1e3:.2f} ms for the save ({device_hold * 1e3:.2f} ms with the "
-          f"digests on the device); wrong bytes: {wrong}")
+          f"digests on the device); the caller's stream waited {waited_ms:.2f} ms for the save's reads (the "
+          f"groups the connector does not fence); wrong bytes: {wrong}")
     ok = wrong == 0
     if device.type == "cuda":
         ok = ok and ratios["save"] >= GOAL_ONE_WAY and ratios["load"] >= GOAL_ONE_WAY
@@ -300,7 +327,7 @@ def staged_store(kind: str, values: int, op_bytes: int, value_bytes: int, reps: 
 
 def run_staged(name: str, args, device) -> bool:
     """The engine through its staging pool into ``args.staged``'s store, against raw copies."""
-    kv, names, layout, planner, stored, entries, saved_blocks = setup(name, args, device, 2)
+    kv, names, layout, planner, stored, entries, saved_blocks, fenced = setup(name, args, device, 2)
     nbytes = sum(layout.groups[g].block_bytes for g, _ in entries)
     store, stop = staged_store(args.staged, len(entries), nbytes + len(entries) * 4096,
                                max(layout.groups[g].block_bytes for g in stored), args.reps)
@@ -319,7 +346,7 @@ def run_staged(name: str, args, device) -> bool:
         transfer = Transfer(layout, pool)
         transfer.digests_on_device = digests_on_device
         engine = OffloadEngine(planner, transfer, store)
-        holds, store_seconds = [], {"put": [], "get": []}
+        holds, store_seconds, stream_wait = [], {"put": [], "get": []}, StreamWait(device)
 
         def timed_store(call: str, fn) -> None:
             before = engine.seconds[call]
@@ -329,7 +356,8 @@ def run_staged(name: str, args, device) -> bool:
         def save() -> None:
             job[0] += 1
             start = time.perf_counter()
-            engine.submit_planned(puts={job[0]: [(f"{name}-{job[0]}-{i}", g, b) for i, (g, b) in enumerate(entries)]})
+            puts = [(f"{name}-{job[0]}-{i}", g, b) for i, (g, b) in enumerate(entries)]
+            stream_wait.around(lambda: engine.submit_planned(puts={job[0]: puts}, fenced_groups=fenced))
             holds.append(time.perf_counter() - start)
             engine.wait_idle()
             assert engine.get_finished().jobs_done.get(job[0]) == "ok", f"a save failed: {engine.counters}"
@@ -348,7 +376,7 @@ def run_staged(name: str, args, device) -> bool:
             engine.shutdown()
         return {"save": save_s, "load": load_s, "put": statistics.median(store_seconds["put"]),
                 "get": statistics.median(store_seconds["get"]), "hold": statistics.median(holds),
-                "wrong": wrong_bytes(kv, names, entries, offset)}
+                "stream wait": stream_wait.median_ms(), "wrong": wrong_bytes(kv, names, entries, offset)}
 
     # Digests on the device where the store takes them from the copies (Mooncake) and there are kernels.
     modes = [False, True] if getattr(store, "takes_digests", False) and device.type == "cuda" else [False]
@@ -370,7 +398,8 @@ def run_staged(name: str, args, device) -> bool:
         print(f"| the store's puts alone, in those saves | {gbs(r['put']):.1f} | {d2h / r['put']:.2f} |")
         print(f"| the store's gets alone, in those loads | {gbs(r['get']):.1f} | {h2d / r['get']:.2f} |")
     print("\n" + "; ".join(f"submit_planned held its caller {r['hold'] * 1e3:.2f} ms for the save"
-                           f"{' (digests on the device)' if mode else ''}" for mode, r in results.items())
+                           f"{' (digests on the device)' if mode else ''}, its stream {r['stream wait']:.2f} ms"
+                           for mode, r in results.items())
           + f"; wrong bytes: {sum(r['wrong'] for r in results.values())}")
     default = results[False]
     ok = all(r["wrong"] == 0 for r in results.values())
