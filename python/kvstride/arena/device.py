@@ -15,7 +15,7 @@ chunks before it. The caller's stream does not wait: each chunk's gather is kept
 layout's ``pending_reads`` with its blocks, and the caller fences the blocks it is about to
 write again (``KVLayout.fence``: its stream waits, on the device, for the gathers that read
 them). The caller's thread only enqueues: launches cost it the same at any size (the copy
-engine's commands do not), which keeps a 2 GiB save to about a millisecond of its time.
+engine's commands do not), which keeps a 2 GiB save to a few milliseconds of its time.
 
 A load runs on the load lane's thread, on a stream of its own: per chunk, when its slots form
 few runs (``DMA_RUNS``), the copy engine moves each run into device staging and a kernel
