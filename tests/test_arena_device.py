@@ -10,6 +10,8 @@ run wherever CUDA is present."""
 from __future__ import annotations
 
 import os
+import threading
+
 import numpy as np
 import pytest
 import torch
@@ -261,7 +263,18 @@ class Streams:
     def __init__(self) -> None:
         self.after = []  # per node, the nodes it directly follows
         self.labels = []
-        self.current = [Streams.Stream(self, "caller")]
+        self.caller = Streams.Stream(self, "caller")
+        self._threads = threading.local()  # each thread's current streams, as CUDA keeps them
+        self._lock = threading.Lock()
+
+    @property
+    def current(self) -> list:
+        """The calling thread's stack of current streams: the caller's stream on the test's
+        thread, a default stream of its own on any other."""
+        if not hasattr(self._threads, "stack"):
+            first = self.caller if threading.current_thread() is threading.main_thread() else Streams.Stream(self, "default")
+            self._threads.stack = [first]
+        return self._threads.stack
 
     class Stream:
         def __init__(self, streams, name: str) -> None:
@@ -289,11 +302,12 @@ class Streams:
             return False  # nothing runs in the model
 
     def node(self, stream, label: str) -> int:
-        follows = stream.waits | ({stream.last} if stream.last is not None else set())
-        self.after.append(follows - {None})
-        self.labels.append(f"{stream.name}:{label}")
-        stream.last, stream.waits = len(self.after) - 1, set()
-        return stream.last
+        with self._lock:
+            follows = stream.waits | ({stream.last} if stream.last is not None else set())
+            self.after.append(follows - {None})
+            self.labels.append(f"{stream.name}:{label}")
+            stream.last, stream.waits = len(self.after) - 1, set()
+            return stream.last
 
     def launch(self, label: str) -> int:
         return self.node(self.current[-1], label)
@@ -335,7 +349,7 @@ class Streams:
                 launches["gathered groups"].append(set(groups[first:first + count].tolist()))
 
         def rows(kernels, table, first, count, longest, programs):
-            launches["drain" if self.current[-1].name == "save" else "copy in"].append(self.launch("rows"))
+            launches["drain" if self.current[-1].name.startswith("save") else "copy in"].append(self.launch("rows"))
 
         def xxh3(*args, expected=None, **kwargs):
             launches["hash" if expected is None else "check"].append(self.launch("xxh3"))
@@ -360,8 +374,12 @@ def _ordered_copier(monkeypatch):
     copier = DeviceCopier(layout, arena.buffer, arena.slot_bytes, arena._pieces, chunk_bytes=3 * arena.slot_bytes,
                           kernels=True, dma_runs=0, digests_on_device=True)
     streams = Streams()
-    names = {"_save_stream": "save", "_load_stream": "load", "_hash_stream": "hash", "_check_stream": "check"}
-    return copier, streams, streams.install(monkeypatch, copier, names)
+    return copier, streams, streams.install(monkeypatch, copier, COPIER_STREAMS)
+
+
+#: A DeviceCopier's streams, by attribute: the name a modelled stream takes.
+COPIER_STREAMS = {"_save_stream": "save", "_urgent_stream": "save urgent", "_load_stream": "load", "_hash_stream": "hash",
+                  "_urgent_hash_stream": "hash urgent", "_check_stream": "check"}
 
 
 def test_a_device_save_is_ordered_against_the_callers_stream_and_its_staging(monkeypatch):
@@ -381,7 +399,7 @@ def test_a_device_save_is_ordered_against_the_callers_stream_and_its_staging(mon
     gather, drain, hash_ = launches["gather"], launches["drain"], launches["hash"]
     assert len(gather) == len(drain) == len(hash_) == len(chunks) == 5
     before = streams.before
-    assert copier.layout.fence(None) == 2  # blocks unknown: every read still pending
+    assert copier.layout.fence(None) == 4  # blocks unknown: every read still pending (chunks 0, 1, 3, 4)
     for k in range(5):
         assert not before(gather[k], beside)
         assert before(gather[k], later) == (k <= 2)
@@ -448,12 +466,10 @@ def test_a_staged_gather_is_ordered_against_the_callers_stream_and_its_staging(m
             assert before(drain[k - 1], gather[k]) and before(hash_[k - 1], gather[k])
 
 
-@pytest.mark.parametrize("path", ["staged", "direct"])
-def test_planned_saves_make_the_callers_stream_wait_only_for_the_groups_it_does_not_fence(monkeypatch, path):
-    """The engine's planned saves through the staging pool or into the arena's slots, on
-    modelled CUDA streams: a group the caller does not fence (a hand-off state, rewritten in
-    place) is gathered first and the caller's stream waits for it at once; the fenced group's
-    gathers run beside the caller's next work until ``fence`` names one of their blocks."""
+def _fenced_engine(monkeypatch, path: str):
+    """An engine over two groups of one shape on modelled CUDA streams, saving through the
+    staging pool or into the arena's slots; (engine, streams, launches, entries: group 0's
+    blocks 1-9 then group 1's blocks 20-22)."""
     from test_transfer import BytesStore
 
     from kvstride import _core
@@ -468,33 +484,62 @@ def test_planned_saves_make_the_callers_stream_wait_only_for_the_groups_it_does_
     planner = _core.KeyPlanner([_core.GroupSpec("full_attention", 64)] * 2, hash_block_size=64, scheduler_block_size=64,
                                namespace="fenced")
     streams = Streams()
-    fenced = list(range(1, 10))
-    blocks = [(0, b) for b in fenced] + [(1, b) for b in (20, 21, 22)]
+    blocks = [(0, b) for b in range(1, 10)] + [(1, b) for b in (20, 21, 22)]
     if path == "staged":
         transfer = Transfer(layout, StagingPool(8 << 20), kernels=True, chunk_bytes=chunk)
         launches = streams.install(monkeypatch, transfer, {"stream": "save", "_hash_stream": "hash", "_scatter_stream": "load"})
-        engine = OffloadEngine(planner, transfer, BytesStore())
-        entries = [(f"{g}-{b}", g, b) for g, b in blocks]
-    else:
-        store = ArenaSlots(16, copier="device")
-        engine = OffloadEngine(planner, layout, store)
-        arena = store.arena
-        arena._device = DeviceCopier(layout, arena.buffer, arena.slot_bytes, arena._pieces, chunk_bytes=chunk,
-                                     kernels=True)
-        launches = streams.install(monkeypatch, arena._device, {"_save_stream": "save", "_load_stream": "load",
-                                                                "_hash_stream": "hash", "_check_stream": "check"})
-        entries = [(slot, g, b) for slot, (g, b) in enumerate(blocks)]
+        return OffloadEngine(planner, transfer, BytesStore()), streams, launches, [(f"{g}-{b}", g, b) for g, b in blocks]
+    store = ArenaSlots(16, copier="device")
+    engine = OffloadEngine(planner, layout, store)
+    arena = store.arena
+    arena._device = DeviceCopier(layout, arena.buffer, arena.slot_bytes, arena._pieces, chunk_bytes=chunk, kernels=True)
+    launches = streams.install(monkeypatch, arena._device, COPIER_STREAMS)
+    return engine, streams, launches, [(slot, g, b) for slot, (g, b) in enumerate(blocks)]
+
+
+@pytest.mark.parametrize("path", ["staged", "direct"])
+def test_planned_saves_make_the_callers_stream_wait_only_for_the_groups_it_does_not_fence(monkeypatch, path):
+    """The engine's planned saves through the staging pool or into the arena's slots, on
+    modelled CUDA streams: a group the caller does not fence (a hand-off state, rewritten in
+    place) is gathered first and the caller's stream waits for it at once; the fenced group's
+    gathers follow the caller's work queued before the save and run beside its next work until
+    ``fence`` names one of their blocks. Into the slots, the fenced group's copies are launched
+    by the engine's launch lane, and the others on streams of their own, so that they never
+    queue behind the fenced ones."""
+    engine, streams, launches, entries = _fenced_engine(monkeypatch, path)
+    pending = streams.launch("the caller's work queued before the save")
     engine.submit_planned(puts={7: entries}, fenced_groups=[0])
     beside = streams.launch("the caller's next kernel")
-    assert engine.fence(fenced[-1:]) == 1
+    assert engine.wait_idle(30)  # (the launch lane launched what it had)
+    assert engine.fence([9]) == 1
     later = streams.launch("a kernel that rewrites a block of group 0")
     gathers, groups = launches["gather"], launches["gathered groups"]
-    assert groups[0] == {1} and all(g == {0} for g in groups[1:]), groups
+    first = [g == {1} for g in groups].index(False)  # group 1's gathers, then group 0's
+    assert first and all(g == {1} for g in groups[:first]) and all(g == {0} for g in groups[first:]), groups
     before = streams.before
-    assert before(gathers[0], beside)
-    assert not any(before(gather, beside) for gather in gathers[1:])
+    assert all(before(pending, gather) and before(gather, beside) for gather in gathers[:first])
+    assert all(before(pending, gather) and not before(gather, beside) for gather in gathers[first:])
     assert all(before(gather, later) for gather in gathers)
+    if path == "direct":
+        assert all(streams.labels[gather].startswith("save urgent:") for gather in gathers[:first])
+        assert all(streams.labels[gather].startswith("save:") for gather in gathers[first:])
+    engine.shutdown()
+
+
+def test_a_save_whose_blocks_are_fenced_before_the_launch_lane_reached_it_is_cancelled(monkeypatch):
+    """A fence on blocks whose copies the launch lane has not started yet cancels them rather
+    than waiting (on the host) for the lane: those saves fail, counted, and nothing reads the
+    blocks being written again."""
+    engine, streams, launches, entries = _fenced_engine(monkeypatch, "direct")
+    gate, launch = threading.Event(), engine._launch
+    monkeypatch.setattr(engine, "_launch", lambda item: (gate.wait(30), launch(item)))
+    engine.submit_planned(puts={7: entries}, fenced_groups=[0])
+    assert engine.fence([5]) == 0
+    gate.set()
     assert engine.wait_idle(30)
+    assert engine.get_finished().jobs_done == {7: "failed"}
+    assert engine.counters["saves_cancelled_by_fence"] == 9
+    assert all(g == {1} for g in launches["gathered groups"])  # group 0's blocks were never read
     engine.shutdown()
 
 

@@ -3,6 +3,7 @@
 import ctypes
 import random
 
+import numpy as np
 import pytest
 import torch
 
@@ -453,6 +454,34 @@ def test_cuda_planned_saves_are_read_before_a_fenced_block_is_rewritten():
     assert engine.wait_idle(60) and engine.get_finished().jobs_done == {1: "ok"}
     assert store.values.keys() == want.keys()
     assert all(store.values[key] == value for key, value in want.items())
+    engine.shutdown()
+
+
+@cuda_only
+def test_cuda_planned_saves_into_the_slots_are_read_before_a_fenced_block_is_rewritten():
+    """The connector's default path: the engine's launch lane launches the copies into the
+    arena's slots after the caller's event; once they are launched, ``fence`` on the blocks
+    before rewriting them keeps the KV written right after out of the slots. The copies are
+    held back on the save stream to make the race certain."""
+    from kvstride.arena import ArenaSlots
+
+    kv = torch.randn(80, 2, 16, 4, 32, device="cuda", dtype=torch.float16)
+    layout = KVLayout({"attn": kv}, [["attn"]])
+    planner = _core.KeyPlanner([_core.GroupSpec("full_attention", 16)], hash_block_size=16, scheduler_block_size=16, namespace="cuda")
+    store = ArenaSlots(40)
+    engine = OffloadEngine(planner, layout, store)
+    want = kv[1:33].clone()
+    caller = torch.cuda.Stream()
+    with torch.cuda.stream(store.arena._device._save_stream):
+        torch.cuda._sleep(200_000_000)  # the save stream is busy: the copies run late
+    with torch.cuda.stream(caller):
+        engine.submit_planned(puts={1: [(i, 0, 1 + i) for i in range(32)]}, fenced_groups=[0])
+        engine._launch_queue.join()  # launched (a fence before that would cancel them)
+        assert engine.fence(range(1, 33)) > 0  # vLLM hands the blocks out again
+        kv.zero_()  # the next step's writes, queued on the caller's stream at once
+    assert engine.wait_idle(60) and engine.get_finished().jobs_done == {1: "ok"}
+    assert store.arena.load(np.arange(32), np.zeros(32, dtype=np.int64), np.arange(41, 73)).all()
+    assert torch.equal(kv[41:73], want)
     engine.shutdown()
 
 

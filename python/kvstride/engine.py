@@ -1,5 +1,5 @@
 """The request-level offload engine: lookups, saves, partial tails and loads, executed through
-the data plane on two background lanes (loads, saves).
+the data plane on background lanes (loads, saves, and a third that launches device copies).
 
 It knows nothing about vLLM's classes. A driver (the vLLM connector, or ``kvstride simulate``)
 calls, per engine step:
@@ -14,7 +14,11 @@ calls, per engine step:
 - or, where planning and execution live in different processes (the vLLM connector: its
   scheduler plans with ``plan_saves`` and the core, its workers execute), ``submit_planned(puts,
   gets)``: the same copies and store calls for ``(key, group, block_id)`` entries planned
-  elsewhere, each save job's outcome reported back instead of moving an offset here;
+  elsewhere, each save job's outcome reported back instead of moving an offset here. With
+  ``fenced_groups`` (groups whose blocks the driver writes again only after ``fence(block_ids)``)
+  and a store whose copies run on device streams, those groups' copies are launched by the
+  launch lane after an event of the caller's stream, so the caller's thread only records the
+  event; a fence on blocks whose copies are not launched yet cancels them (they fail);
 - ``get_finished()``: which loads and saves completed, and the block ids whose load failed
   (the driver recomputes them); a load not done within ``load_timeout_s`` of its submit is
   reported failed there, and nothing it gets later reaches a KV block.
@@ -53,7 +57,7 @@ from typing import Dict, Iterable, List, Optional, Sequence, Tuple, Union
 import numpy as np
 
 from kvstride._core import KeyPlanner
-from kvstride.layout import KVLayout
+from kvstride.layout import ComingReads, KVLayout
 from kvstride.stores import KVStore, Status
 from kvstride.transfer import Fence, StagedBatch, StagingPool, Transfer
 
@@ -168,6 +172,18 @@ class _PutBatch:
     entries: List[Tuple[str, int, int]]  # (key, group, block_id)
     batch: StagedBatch
     fence: Fence  # of its gather
+
+
+@dataclass
+class _Launch:
+    """A save job's device copies of blocks the caller fences itself, for the launch lane to
+    launch after ``after`` (an event of the caller's stream), unless a fence cancelled them
+    (``coming``: the reads the layout's pending reads expect)."""
+
+    job: _SaveJob
+    entries: List[Tuple[str, int, int]]
+    after: object
+    coming: ComingReads
 
 
 @dataclass
@@ -347,9 +363,11 @@ class OffloadEngine:
         self._idle = threading.Condition(self._lock)  # lookups in flight reach 0
         self._lookups_in_flight = 0
         self._logged: set = set()
-        # Two lanes: a load never waits behind saves, a save never behind loads.
+        # Two lanes: a load never waits behind saves, a save never behind loads; and for a store
+        # whose copies run on device streams, a lane that launches them (``_Launch``).
         self._load_queue: "queue.Queue" = queue.Queue()
         self._save_queue: "queue.Queue" = queue.Queue()
+        self._launch_queue: "queue.Queue" = queue.Queue()
         self._pool_freed = threading.Condition(self._lock)  # a staged batch was released
         self._releases = 0  # staged batches released so far: a waiter sees room come back
         self._put_started: Optional[float] = None  # when the save lane's running put began
@@ -364,7 +382,11 @@ class OffloadEngine:
             for lane, q in (("load", self._load_queue), ("save", self._save_queue))
             if self.layout is not None
         ]
-        for worker in self._workers:
+        self._launcher = None
+        if self.direct and hasattr(store, "copies_on_streams"):
+            self._launcher = threading.Thread(target=self._run, args=(self._launch_queue,), name=f"{name}-launch",
+                                              daemon=True)
+        for worker in self._workers + [self._launcher] * (self._launcher is not None):
             worker.start()
 
     def _staging_limits(self) -> Dict[str, int]:
@@ -699,7 +721,7 @@ class OffloadEngine:
         """Block until every submitted job ran (puts at once: ``flush_puts``); False on timeout."""
         self.flush_puts()
         deadline = None if timeout is None else time.monotonic() + timeout
-        for lane in (self._load_queue, self._save_queue):
+        for lane in (self._load_queue, self._launch_queue, self._save_queue):  # launches queue finishes
             with lane.all_tasks_done:  # notified by the lane's task_done
                 while lane.unfinished_tasks:
                     left = None if deadline is None else deadline - time.monotonic()
@@ -710,16 +732,21 @@ class OffloadEngine:
 
     def shutdown(self, timeout: Optional[float] = 60.0) -> bool:
         """Run every queued job, then stop the lanes. The store stays open (its owner closes
-        it) and is never called again by this engine. True when both lanes drained in time."""
+        it) and is never called again by this engine. True when every lane drained in time."""
         with self._lock:
             already = self._closed
             if not already:
                 self._closed = True
-                if self._workers:  # a planning-only engine has no lanes to stop
-                    self._load_queue.put(_STOP)
-                    self._save_queue.put(_STOP)
+                if self._launcher is not None:
+                    self._launch_queue.put(_STOP)
                 self._pool_freed.notify_all()
-            deadline = None if timeout is None else time.monotonic() + timeout
+        deadline = None if timeout is None else time.monotonic() + timeout
+        if not already and self._launcher is not None:  # its launches hand their finish to the save lane
+            self._launcher.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
+        with self._lock:
+            if not already and self._workers:  # a planning-only engine has no lanes to stop
+                self._load_queue.put(_STOP)
+                self._save_queue.put(_STOP)
             while self._lookups_in_flight:
                 left = None if deadline is None else deadline - time.monotonic()
                 if left is not None and left <= 0:
@@ -730,7 +757,8 @@ class OffloadEngine:
                 worker.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
             if self._asking is not None:  # a call the store never answered is not waited for
                 self._asking.shutdown(wait=False, cancel_futures=True)
-        return not any(w.is_alive() for w in self._workers) and not self._lookups_in_flight
+        lanes = self._workers + [self._launcher] * (self._launcher is not None)
+        return not any(w.is_alive() for w in lanes) and not self._lookups_in_flight
 
     def _run(self, lane: "queue.Queue") -> None:
         while True:
@@ -742,6 +770,8 @@ class OffloadEngine:
                     self._execute_load(items[0])
                 elif isinstance(items[0], _DirectFinish):
                     self._finish_direct(items[0])
+                elif isinstance(items[0], _Launch):
+                    self._launch(items[0])
                 else:
                     self._execute_puts(items)
             except Exception as err:  # the job's own error reporting failed: keep the lane
@@ -1122,21 +1152,67 @@ class OffloadEngine:
         self._put_direct(job, entries)
 
     def _put_direct(self, job: _SaveJob, entries: List[Tuple[str, int, int]]) -> None:
-        """Copy ``entries`` straight into a store that copies blocks itself."""
+        """Copy ``entries`` straight into a store that copies blocks itself. Where its copies run
+        on device streams and the caller fences some groups itself (``submit_planned``), the
+        other groups' copies (first in ``entries``) are launched here, urgent, and the
+        caller's stream waits for their reads; the fenced groups' copies go to the launch
+        lane, so that the caller's thread only records an event for them."""
+        apart: List[Tuple[str, int, int]] = []
+        on_streams = bool(job.fenced_groups) and getattr(self.store, "copies_on_streams", False)
+        if on_streams:
+            split = next((i for i, (_, group, _) in enumerate(entries) if group in job.fenced_groups), len(entries))
+            entries, apart = entries[:split], entries[split:]
         if entries:
             keys, groups, block_ids = zip(*entries)
             put_start = time.perf_counter()
             begin = getattr(self.store, "save_blocks_begin", None)
-            started = begin(keys, groups, block_ids) if begin is not None else self.store.save_blocks(keys, groups, block_ids)
+            if begin is None:
+                started = self.store.save_blocks(keys, groups, block_ids)
+            else:
+                started = begin(keys, groups, block_ids, urgent=True) if on_streams else begin(keys, groups, block_ids)
             self._fence_unfenced(job, entries)
-            if callable(started):  # device copies still running: the save lane finishes them
-                with self._lock:
-                    job.in_flight += 1
-                self._save_queue.put(_DirectFinish(job, list(entries), started, put_start))
-                return
-            statuses = self._statuses(started, len(keys))
-            self._time("put", time.perf_counter() - put_start)
-            self._count_puts(job, entries, statuses)
+            self._finish_or_queue(job, entries, started, put_start)
+        if apart:
+            coming = self.layout.pending_reads.expect([block for _, _, block in apart])
+            with self._lock:
+                job.in_flight += 1
+            self._launch_queue.put(_Launch(job, apart, self.store.caller_event(), coming))
+
+    def _finish_or_queue(self, job: _SaveJob, entries, started, put_start: float) -> None:
+        """Count a direct save's statuses, or hand its ``finish()`` (device copies still
+        running) to the save lane."""
+        if callable(started):
+            with self._lock:
+                job.in_flight += 1
+            self._save_queue.put(_DirectFinish(job, list(entries), started, put_start))
+            return
+        statuses = self._statuses(started, len(entries))
+        self._time("put", time.perf_counter() - put_start)
+        self._count_puts(job, entries, statuses)
+
+    def _launch(self, item: _Launch) -> None:
+        """The launch lane: ``item``'s copies, after the caller's event, unless a fence cancelled
+        them (their blocks are being written again: those saves fail, counted)."""
+        entries, put_start = item.entries, time.perf_counter()
+        try:
+            if not item.coming.start():
+                self.count("saves_cancelled_by_fence", len(entries))
+                started = [Status.UNAVAILABLE] * len(entries)
+            else:
+                keys, groups, block_ids = zip(*entries)
+                started = self.store.save_blocks_begin(keys, groups, block_ids, after=item.after)
+        except Exception as err:  # never into the driver: fail these saves, keep going
+            self._log_once("save-bug", "save job of step %d failed: %r", item.job.step, err)
+            self.count("save_job_errors")
+            started = [Status.ERROR] * len(entries)
+        finally:
+            item.coming.done()
+        self._finish_or_queue(item.job, entries, started, put_start)
+        with self._lock:  # a finish on the save lane counts itself
+            item.job.in_flight -= 1
+            finished = not item.job.in_flight and not item.job.staging
+        if finished:
+            self._finish_saves(item.job)
 
     def _finish_direct(self, item: _DirectFinish) -> None:
         try:

@@ -32,7 +32,7 @@ import torch
 
 from . import _core
 
-__all__ = ["Piece", "GroupLayout", "KVLayout", "PendingReads", "MAX_PIECES_PER_TENSOR"]
+__all__ = ["Piece", "GroupLayout", "KVLayout", "PendingReads", "ComingReads", "MAX_PIECES_PER_TENSOR"]
 
 #: More pieces than this for one tensor's block means a layout we would copy inefficiently
 #: (e.g. token-major with the block dimension innermost); refuse it.
@@ -148,43 +148,91 @@ def _tensor_pieces(name: str, t: torch.Tensor, bdim: int):
 
 class PendingReads:
     """Reads of KV blocks queued on side streams (saves' gathers) that the caller's stream was not
-    made to wait for, each with the event it completes at: ``fence(block_ids, stream)`` orders
-    the stream after those that read any of ``block_ids``, before it writes them again. A read
-    is dropped once its event completed or a stream waited for it. Empty on CPU, where every
-    read is done when its call returns."""
+    made to wait for, each with the event it completes at, and reads another thread is about to
+    launch (``expect``): ``fence(block_ids, stream)`` orders the stream after those that read
+    any of ``block_ids``, before it writes them again. A read is dropped once its event
+    completed or a stream waited for it. Empty on CPU, where every read is done when its call
+    returns."""
 
     def __init__(self) -> None:
-        self._lock = threading.Lock()  # saves add on the step's thread, the staging pool's too
+        # Saves add on the step's thread and on the engine's launch lane; fences wait on it.
+        self._changed = threading.Condition()
         self._reads: List[Tuple[np.ndarray, object]] = []
+        self._coming: List["ComingReads"] = []
 
     def __len__(self) -> int:
-        return len(self._reads)
+        return len(self._reads) + len(self._coming)
 
     def add(self, block_ids, event) -> None:
         """A read of ``block_ids`` that completes with ``event`` (None: already done); the reads
         already done are dropped, so that a caller that never fences keeps no more than runs."""
         if event is not None and len(block_ids):
-            with self._lock:
+            with self._changed:
                 self._reads = [read for read in self._reads if not read[1].query()]
                 self._reads.append((np.asarray(block_ids, dtype=np.int64), event))
 
+    def expect(self, block_ids) -> "ComingReads":
+        """Reads of ``block_ids`` that another thread will launch (and ``add``) once
+        ``ComingReads.start`` allowed it, then end with ``ComingReads.done``."""
+        coming = ComingReads(self, np.asarray(block_ids, dtype=np.int64))
+        with self._changed:
+            self._coming.append(coming)
+        return coming
+
     def fence(self, block_ids, stream) -> int:
         """Make ``stream`` wait (on the device, never the host) for every pending read of one of
-        ``block_ids`` (None: of any block); returns how many it waits for."""
+        ``block_ids`` (None: of any block); returns how many it waits for. Expected reads of
+        those blocks not started yet are cancelled (they will never read them); those being
+        launched are waited for on the host, the time their launches take."""
         wanted = None if block_ids is None else np.asarray(block_ids, dtype=np.int64)
+
+        def touches(blocks: np.ndarray) -> bool:
+            return wanted is None or bool(np.isin(blocks, wanted).any())
+
         waited = 0
-        with self._lock:
+        with self._changed:
+            for coming in [c for c in self._coming if touches(c.block_ids)]:
+                if coming.state == "expected":
+                    coming.state = "cancelled"
+                    self._coming.remove(coming)
+                else:
+                    self._changed.wait_for(lambda: coming not in self._coming)
             pending = []
             for blocks, event in self._reads:
                 if event.query():
                     continue
-                if wanted is None or np.isin(blocks, wanted).any():
+                if touches(blocks):
                     stream.wait_event(event)
                     waited += 1
                 else:
                     pending.append((blocks, event))
             self._reads = pending
         return waited
+
+
+class ComingReads:
+    """Reads that one thread expects another to launch (``PendingReads.expect``)."""
+
+    def __init__(self, reads: PendingReads, block_ids: np.ndarray) -> None:
+        self._reads = reads
+        self.block_ids = block_ids
+        self.state = "expected"  # then "launching" or "cancelled" (by a fence)
+
+    def start(self) -> bool:
+        """Whether the reads may be launched now (False: a fence cancelled them, since the
+        blocks are being written again)."""
+        with self._reads._changed:
+            if self.state == "cancelled":
+                return False
+            self.state = "launching"
+            return True
+
+    def done(self) -> None:
+        """The reads are launched (and added) or will not be: fences stop waiting for them."""
+        with self._reads._changed:
+            if self in self._reads._coming:
+                self._reads._coming.remove(self)
+            self._reads._changed.notify_all()
 
 
 class KVLayout:

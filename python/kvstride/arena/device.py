@@ -185,11 +185,12 @@ def launch_copy_rows(origin: torch.Tensor, table: torch.Tensor, first: int, coun
     sources, destinations, lengths in ``width``-byte elements, the longest ``longest``), its
     addresses taken relative to ``origin`` (a tensor on the kernel's device, 16-byte aligned),
     on the current stream."""
-    copy_rows_kernel, _ = _kernels()
     tiles = -(-longest // _TILE)
-    copy_rows_kernel[_programs(programs, count * tiles)](
-        origin.view(_ELEMENTS[width]), origin.data_ptr(), table, table.shape[1], first, count, tiles,
-        W=width, VEC=vec, TILE=_TILE)
+    with device_xxh3.LAUNCHES:
+        copy_rows_kernel, _ = _kernels()
+        copy_rows_kernel[_programs(programs, count * tiles)](
+            origin.view(_ELEMENTS[width]), origin.data_ptr(), table, table.shape[1], first, count, tiles,
+            W=width, VEC=vec, TILE=_TILE)
 
 
 def slot_runs(slots: np.ndarray) -> List[Tuple[int, int, int]]:
@@ -239,14 +240,15 @@ class BlockKernels:
         ``flags`` (a device tensor, by column), only the entries whose flag is not 0."""
         if not count:
             return
-        _, copy_blocks_kernel = _kernels()
         per_entry = int(self.pieces.count[groups[first:first + count]].max())
-        copy_blocks_kernel[_programs(programs, count * per_entry * self._tiles_per_piece)](
-            self._origin_in_elements, self._piece_table.data_ptr(), table, table.shape[1], first, count,
-            self._tiles_per_piece, self._piece_table, self._piece_table.shape[1], self._group_table,
-            self._group_table.shape[1], per_entry,
-            table if flags is None else flags, TO_SLOTS=to_entries, FLAGS=flags is not None, W=self.width,
-            VEC=self.vec, TILE=_TILE)
+        with device_xxh3.LAUNCHES:
+            _, copy_blocks_kernel = _kernels()
+            copy_blocks_kernel[_programs(programs, count * per_entry * self._tiles_per_piece)](
+                self._origin_in_elements, self._piece_table.data_ptr(), table, table.shape[1], first, count,
+                self._tiles_per_piece, self._piece_table, self._piece_table.shape[1], self._group_table,
+                self._group_table.shape[1], per_entry,
+                table if flags is None else flags, TO_SLOTS=to_entries, FLAGS=flags is not None, W=self.width,
+                VEC=self.vec, TILE=_TILE)
 
     def rows(self, table: torch.Tensor, first: int, count: int, longest: int, programs: int) -> None:
         """The rows kernel over columns ``first`` to ``first + count`` of ``table`` (rows: sources,
@@ -294,6 +296,9 @@ class DeviceCopier:
         self.dma_runs = int(dma_runs)
         cuda = self.device.type == "cuda"
         self._save_stream = torch.cuda.Stream(self.device) if cuda else None
+        # Urgent saves (the caller's stream waits for their reads at once) never queue behind
+        # other saves' copies, and go first where the two compete for the GPU.
+        self._urgent_stream = torch.cuda.Stream(self.device, priority=-1) if cuda else None
         self._load_stream = torch.cuda.Stream(self.device) if cuda else None
         # The copy kernels (default on CUDA; on CPU under Triton's interpreter, for tests), else
         # the Rust region copier.
@@ -310,6 +315,7 @@ class DeviceCopier:
         self._hashable = np.array([device_xxh3.eligible(int(n)) and self.slot_bytes % 16 == 0 for n in self.block_bytes],
                                   dtype=bool)
         self._hash_stream = torch.cuda.Stream(self.device) if cuda else None  # a save's, beside its drains
+        self._urgent_hash_stream = torch.cuda.Stream(self.device) if cuda else None
         self._check_stream = torch.cuda.Stream(self.device) if cuda else None  # a load's, beside its copies
 
     def _slot_addresses(self, slots: np.ndarray) -> np.ndarray:
@@ -369,8 +375,8 @@ class DeviceCopier:
         """Whether an op on blocks of ``groups`` takes or checks its digests on the device."""
         return self.digests_on_device and self.kernels is not None and bool(self._hashable[groups].all())
 
-    def save(self, slots: np.ndarray, groups: np.ndarray, block_ids: np.ndarray, after=None,
-             digests: bool = False) -> Tuple[List[Tuple[np.ndarray, Optional["torch.cuda.Event"]]], Optional[torch.Tensor]]:
+    def save(self, slots: np.ndarray, groups: np.ndarray, block_ids: np.ndarray, after=None, digests: bool = False,
+             urgent: bool = False) -> Tuple[List[Tuple[np.ndarray, Optional["torch.cuda.Event"]]], Optional[torch.Tensor]]:
         """Copy each block into its slot, chunk by chunk, in the order given; returns
         ``(positions, event)`` per chunk: the positions of its entries and an event (CUDA)
         that completes when their bytes are in the host slots, or None when they are (CPU);
@@ -378,10 +384,13 @@ class DeviceCopier:
         tensor, filled once the last chunk's event completed), else None. ``after``: an event
         the gathers follow (default: the work queued on the calling thread's current stream).
         Each chunk's gather joins the layout's ``pending_reads``: fence the blocks
-        (``KVLayout.fence``) before the caller's stream writes them again."""
+        (``KVLayout.fence``) before the caller's stream writes them again. ``urgent``: on
+        streams of its own, so that a fence waits for this save alone, not for the copies of
+        the saves queued before it."""
         hashed = digests and self.hashes_on_device(groups)
+        copies, hashes = (self._urgent_stream, self._urgent_hash_stream) if urgent else (self._save_stream, self._hash_stream)
         events = []
-        with on_side_stream(self._save_stream, after):
+        with on_side_stream(copies, after):
             parts = self._chunks(len(slots), growing=False)
             staging, staged = self._staging(parts)
             into, lengths = self._slot_addresses(slots), self.block_bytes[groups]
@@ -389,23 +398,23 @@ class DeviceCopier:
             found = torch.empty(len(slots), dtype=torch.int64, device=self.device) if hashed else None
             for part in parts:
                 self._copy_blocks(groups, block_ids, staged, part, table, True, True)
-                gathered = recorded(self._save_stream)
+                gathered = recorded(copies)
                 self.layout.pending_reads.add(block_ids[part], gathered)
                 # The stream's order: the previous chunk's drain is done once this gather is.
                 events.append(gathered)
                 if hashed:  # beside the drain, on a stream of its own
-                    with on_side_stream(self._hash_stream, gathered):
+                    with on_side_stream(hashes, gathered):
                         device_xxh3.launch_xxh3_rows(self.kernels.origin, table, int(part[0]), len(part), 2, 6, found)
                 if table is None:
                     copy_rows(staged[part], into[part], lengths[part])
                 else:  # a kernel, not the copy engine: a launch costs the caller the same at any size
                     self.kernels.rows(table[3:], int(part[0]), len(part), int(lengths[part].max()), self.kernels.programs)
-                if hashed and self._hash_stream is not None:  # the next gather reuses the staging
-                    self._save_stream.wait_stream(self._hash_stream)
+                if hashed and hashes is not None:  # the next gather reuses the staging
+                    copies.wait_stream(hashes)
             found_on_host = to_host(found) if hashed else None
-            events = events[1:] + [recorded(self._save_stream)] if self._save_stream is not None else [None] * len(parts)
+            events = events[1:] + [recorded(copies)] if copies is not None else [None] * len(parts)
             for tensor in (staging, table, found):
-                used_on(tensor, self._hash_stream)
+                used_on(tensor, hashes)
         return list(zip(parts, events)), found_on_host
 
     # ---- loads -------------------------------------------------------------------------

@@ -14,14 +14,20 @@ values (``eligible``) stay with the host.
 from __future__ import annotations
 
 import functools
+import threading
 
 import numpy as np
 import torch
 
-__all__ = ["WARPS", "eligible", "keys_for", "launch_xxh3_rows"]
+__all__ = ["LAUNCHES", "WARPS", "eligible", "keys_for", "launch_xxh3_rows"]
 
 #: Warps of a program: 64 threads for a block's 128 words, two (16 bytes) a thread.
 WARPS = 2
+
+#: Held around every launch of this package's Triton kernels: the caller's thread and the
+#: engine's lanes launch beside each other, and Triton's JIT, which compiles and caches a
+#: kernel on its first call, is not safe to enter from two threads at once.
+LAUNCHES = threading.RLock()
 
 _SECRET = bytes.fromhex(
     "b8fe6c3923a44bbe7c01812cf721ad1cded46de9839097db7240a4a4b7b3671f"
@@ -131,6 +137,7 @@ def launch_xxh3_rows(origin: torch.Tensor, table: torch.Tensor, first: int, coun
     digest equals it, else 0."""
     if not count:
         return
-    _kernel()[(count,)](origin.view(torch.int64), origin.data_ptr(), table, table.shape[1], first, address_row,
-                        length_row, keys_for(origin.device), out if expected is None else expected, out,
-                        CHECK=expected is not None, num_warps=WARPS)
+    with LAUNCHES:
+        _kernel()[(count,)](origin.view(torch.int64), origin.data_ptr(), table, table.shape[1], first, address_row,
+                            length_row, keys_for(origin.device), out if expected is None else expected, out,
+                            CHECK=expected is not None, num_warps=WARPS)

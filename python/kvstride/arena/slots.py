@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from kvstride import _core
-from kvstride.arena.device import DeviceCopier
+from kvstride.arena.device import DeviceCopier, recorded
 from kvstride.arena.disk import DISK_ALIGN, DiskLane, DiskRecords, DiskSpec
 from kvstride.arena.index import ALIGN
 from kvstride.copies import PieceTable
@@ -146,11 +146,15 @@ class HostArena:
         if finish is not None:
             finish()
 
-    def save_begin(self, slots, groups, block_ids, *, digest: bool = True) -> Optional[Callable[[], None]]:
+    def save_begin(self, slots, groups, block_ids, *, digest: bool = True, after=None,
+                   urgent: bool = False) -> Optional[Callable[[], None]]:
         """``save`` whose device copies may still be running when it returns: None when it is
         done (the Rust region copies), else ``finish()``, which waits for them and then keeps
         the digests (until then the slots hold no value: call it off the caller's thread). The
-        caller fences the blocks (``KVLayout.fence``) before its device work writes them again."""
+        caller fences the blocks (``KVLayout.fence``) before its device work writes them again.
+        ``after`` (CUDA): an event the copies follow (default: the work queued on the calling
+        thread's current stream); ``urgent``: never queued behind other saves' copies (the
+        caller's stream will wait for this one's reads at once)."""
         slots, groups, block_ids = (np.asarray(a, dtype=np.int64) for a in (slots, groups, block_ids))
         self._check(slots, groups, block_ids)
         if self.copier == "regions":
@@ -161,7 +165,7 @@ class HostArena:
                 _core._copy_regions(kv, slot, length)
                 self._keep(slots, groups, 0)
             return None
-        chunks, found = self._device.save(slots, groups, block_ids, digests=digest)
+        chunks, found = self._device.save(slots, groups, block_ids, after=after, digests=digest, urgent=urgent)
 
         def finish() -> None:
             digests = np.zeros(len(slots), dtype=np.uint64)
@@ -304,10 +308,23 @@ class ArenaSlots:
         started = self.save_blocks_begin(slots, groups, block_ids)
         return started() if callable(started) else started
 
-    def save_blocks_begin(self, slots, groups, block_ids):
+    @property
+    def copies_on_streams(self) -> bool:
+        """Whether a save's copies run on device streams, ordered after an event of the caller's
+        (``save_blocks_begin(after=...)``), so that another thread may launch them."""
+        device = self.arena._device if self.arena is not None else None
+        return device is not None and device._save_stream is not None
+
+    def caller_event(self):
+        """(With ``copies_on_streams``) an event recorded on the calling thread's current stream,
+        for copies another thread launches to follow (``save_blocks_begin(after=...)``)."""
+        return recorded(torch.cuda.current_stream(self.arena._device.device))
+
+    def save_blocks_begin(self, slots, groups, block_ids, after=None, urgent: bool = False):
         """``save_blocks``' statuses when the copy is done, else a ``finish()`` returning
-        them, for the save lane to call (``HostArena.save_begin``)."""
-        finish = self.arena.save_begin(slots, groups, block_ids)
+        them, for the save lane to call (``HostArena.save_begin``; ``after`` and ``urgent`` as
+        there)."""
+        finish = self.arena.save_begin(slots, groups, block_ids, after=after, urgent=urgent)
         if finish is None:
             return [Status.OK] * len(slots)
 

@@ -11,11 +11,11 @@ until the end of that step): straight into the arena's slots, or into staging wh
 puts run later on the engine's save lane, so no step waits for another request's saves and a
 finished request's blocks are free at once.
 
-On CUDA a save's reads of the KV cache run on a side stream beside the next steps' kernels. A
-block vLLM writes again was either allocated anew, and each step's metadata names the blocks
-its scheduling allocated, which the step's stream is fenced against before its forward
-(``handle_preemptions``), or it is a Mamba hand-off state rewritten in place, whose reads the
-step's stream waits for at once.
+On CUDA a save's reads of the KV cache run on a side stream beside the next steps' kernels
+(into the arena, launched by the engine's launch lane). A block vLLM writes again was either
+allocated anew, and each step's metadata names the blocks its scheduling allocated, which the
+step's stream is fenced against before its forward (``handle_preemptions``), or it is a Mamba
+hand-off state rewritten in place, whose reads the step's stream waits for at once.
 """
 
 from __future__ import annotations
