@@ -721,7 +721,7 @@ class OffloadEngine:
         """Block until every submitted job ran (puts at once: ``flush_puts``); False on timeout."""
         self.flush_puts()
         deadline = None if timeout is None else time.monotonic() + timeout
-        for lane in (self._load_queue, self._launch_queue, self._save_queue):  # launches queue finishes
+        for lane in (self._load_queue, self._launch_queue, self._save_queue):  # a launch queues a finish
             with lane.all_tasks_done:  # notified by the lane's task_done
                 while lane.unfinished_tasks:
                     left = None if deadline is None else deadline - time.monotonic()
@@ -1193,26 +1193,32 @@ class OffloadEngine:
     def _launch(self, item: _Launch) -> None:
         """The launch lane: ``item``'s copies, after the caller's event, unless a fence cancelled
         them (their blocks are being written again: those saves fail, counted)."""
-        entries, put_start = item.entries, time.perf_counter()
+        entries, job, put_start = item.entries, item.job, time.perf_counter()
+        started = None
         try:
-            if not item.coming.start():
-                self.count("saves_cancelled_by_fence", len(entries))
-                started = [Status.UNAVAILABLE] * len(entries)
-            else:
+            if item.coming.start():
                 keys, groups, block_ids = zip(*entries)
                 started = self.store.save_blocks_begin(keys, groups, block_ids, after=item.after)
+            else:  # no store call was made: the job fails, nothing else counts these entries
+                self.count("saves_cancelled_by_fence", len(entries))
+                self._log_once("fence-cancel", "saves whose blocks were written again before their copies "
+                               "were launched were cancelled (the launch lane is behind)")
+                with self._lock:
+                    for key, _, _ in entries:
+                        job.failed.update(job.owners[key])
         except Exception as err:  # never into the driver: fail these saves, keep going
-            self._log_once("save-bug", "save job of step %d failed: %r", item.job.step, err)
+            self._log_once("save-bug", "save job of step %d failed: %r", job.step, err)
             self.count("save_job_errors")
             started = [Status.ERROR] * len(entries)
         finally:
             item.coming.done()
-        self._finish_or_queue(item.job, entries, started, put_start)
+        if started is not None:
+            self._finish_or_queue(job, entries, started, put_start)
         with self._lock:  # a finish on the save lane counts itself
-            item.job.in_flight -= 1
-            finished = not item.job.in_flight and not item.job.staging
+            job.in_flight -= 1
+            finished = not job.in_flight and not job.staging
         if finished:
-            self._finish_saves(item.job)
+            self._finish_saves(job)
 
     def _finish_direct(self, item: _DirectFinish) -> None:
         try:
