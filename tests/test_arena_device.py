@@ -487,8 +487,12 @@ def _fenced_engine(monkeypatch, path: str):
     blocks = [(0, b) for b in range(1, 10)] + [(1, b) for b in (20, 21, 22)]
     if path == "staged":
         transfer = Transfer(layout, StagingPool(8 << 20), kernels=True, chunk_bytes=chunk)
-        launches = streams.install(monkeypatch, transfer, {"stream": "save", "_hash_stream": "hash", "_scatter_stream": "load"})
-        return OffloadEngine(planner, transfer, BytesStore()), streams, launches, [(f"{g}-{b}", g, b) for g, b in blocks]
+        launches = streams.install(monkeypatch, transfer, {"stream": "save", "_urgent_stream": "save urgent",
+                                                           "_hash_stream": "hash", "_urgent_hash_stream": "hash urgent",
+                                                           "_scatter_stream": "load"})
+        engine = OffloadEngine(planner, transfer, BytesStore())
+        engine._batch_bytes["save"] = transfer.staged_bytes(blocks[-3:])  # batches of three: group 1's alone
+        return engine, streams, launches, [(f"{g}-{b}", g, b) for g, b in blocks]
     store = ArenaSlots(16, copier="device")
     engine = OffloadEngine(planner, layout, store)
     arena = store.arena
@@ -503,9 +507,9 @@ def test_planned_saves_make_the_callers_stream_wait_only_for_the_groups_it_does_
     modelled CUDA streams: a group the caller does not fence (a hand-off state, rewritten in
     place) is gathered first and the caller's stream waits for it at once; the fenced group's
     gathers follow the caller's work queued before the save and run beside its next work until
-    ``fence`` names one of their blocks. Into the slots, the fenced group's copies are launched
-    by the engine's launch lane, and the others on streams of their own, so that they never
-    queue behind the fenced ones."""
+    ``fence`` names one of their blocks. The others run on streams of their own, so that they
+    never queue behind the fenced ones; into the slots, the fenced group's copies are launched
+    by the engine's launch lane."""
     engine, streams, launches, entries = _fenced_engine(monkeypatch, path)
     pending = streams.launch("the caller's work queued before the save")
     engine.submit_planned(puts={7: entries}, fenced_groups=[0])
@@ -520,9 +524,8 @@ def test_planned_saves_make_the_callers_stream_wait_only_for_the_groups_it_does_
     assert all(before(pending, gather) and before(gather, beside) for gather in gathers[:first])
     assert all(before(pending, gather) and not before(gather, beside) for gather in gathers[first:])
     assert all(before(gather, later) for gather in gathers)
-    if path == "direct":
-        assert all(streams.labels[gather].startswith("save urgent:") for gather in gathers[:first])
-        assert all(streams.labels[gather].startswith("save:") for gather in gathers[first:])
+    assert all(streams.labels[gather].startswith("save urgent:") for gather in gathers[:first])
+    assert all(streams.labels[gather].startswith("save:") for gather in gathers[first:])
     engine.shutdown()
 
 

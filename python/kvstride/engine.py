@@ -1063,8 +1063,10 @@ class OffloadEngine:
                     self._defer(job, entries[position:])
                 break
             try:
-                fence = self.transfer.gather(batch, digests=self._fused_digests)
-                self._fence_unfenced(job, entries[position:end])
+                staged = entries[position:end]
+                urgent = bool(job.fenced_groups) and any(group not in job.fenced_groups for _, group, _ in staged)
+                fence = self.transfer.gather(batch, digests=self._fused_digests, urgent=urgent)
+                self._fence_unfenced(job, staged)
             except BaseException:
                 self._release_batch(batch)
                 raise

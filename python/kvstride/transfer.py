@@ -294,6 +294,9 @@ class Transfer:
         # Gathers run on ``stream``, scatters on a stream of their own: a load never waits behind a save.
         self.stream = (stream or torch.cuda.Stream(device=self.device)) if self.cuda else None
         self._scatter_stream = torch.cuda.Stream(device=self.device) if self.cuda else None
+        # Urgent gathers (the caller's stream waits for their reads at once) never queue behind
+        # other gathers' copies, and go first where the two compete for the GPU.
+        self._urgent_stream = torch.cuda.Stream(device=self.device, priority=-1) if self.cuda else None
         self._pieces = PieceTable(layout)
         self._payload_bytes = np.array([g.block_bytes for g in layout.groups], dtype=np.int64)
         self.chunk_bytes = int(chunk_bytes)
@@ -307,6 +310,7 @@ class Transfer:
         self.digests_on_device = False
         self._hashable = all(device_xxh3.eligible(g.block_bytes) for g in layout.groups)
         self._hash_stream = torch.cuda.Stream(device=self.device) if self.cuda else None
+        self._urgent_hash_stream = torch.cuda.Stream(device=self.device) if self.cuda else None
 
     def digests_ride_copies(self, mac_secret=None) -> bool:
         """Whether ``gather(digests=True)`` and ``scatter(expected=...)`` take and check each value's
@@ -414,16 +418,17 @@ class Transfer:
         bounds = np.cumsum([0, *counts])
         return [(int(a), int(b), int(starts[a]), int(ends[b - 1] - starts[a])) for a, b in zip(bounds[:-1], bounds[1:])]
 
-    def _kernel_gather(self, batch: StagedBatch, digests: bool) -> Fence:
+    def _kernel_gather(self, batch: StagedBatch, digests: bool, urgent: bool) -> Fence:
         """KV blocks -> device staging laid out as the pool (every core helping) -> the pool, chunk
         by chunk on the gather stream; the fence's read event follows the last chunk's gather
         (which, staging holding one chunk, follows the earlier chunks' drains), and each chunk's
         gather joins the layout's ``pending_reads``.
         ``digests``: each value's XXH3 from the staging, beside the drain, into ``batch.digests``
-        (filled once the fence completed)."""
+        (filled once the fence completed). ``urgent``: on the urgent streams."""
         _, groups, block_ids, payloads = self._entries(batch)
         kernels, read = self.kernels, None
-        with on_side_stream(self.stream):
+        copies, hashes = (self._urgent_stream, self._urgent_hash_stream) if urgent else (self.stream, self._hash_stream)
+        with on_side_stream(copies):
             chunks = self._chunks(batch, payloads, growing=False)
             staging = torch.empty(max(nbytes for *_, nbytes in chunks), dtype=torch.uint8, device=self.device)
             staged = np.zeros(len(payloads), dtype=np.uint64)
@@ -437,20 +442,20 @@ class Transfer:
             found = torch.empty(len(payloads), dtype=torch.int64, device=self.device) if digests else None
             for k, (first, end, _, nbytes) in enumerate(chunks):
                 kernels.blocks(table, groups, first, end - first, True, kernels.device_programs)
-                read = recorded(self.stream)
+                read = recorded(copies)
                 self.layout.pending_reads.add(block_ids[first:end], read)
                 if digests:
-                    with on_side_stream(self._hash_stream, read):
+                    with on_side_stream(hashes, read):
                         device_xxh3.launch_xxh3_rows(kernels.origin, table, first, end - first, 2, 6, found)
                 # A kernel, not the copy engine: a launch costs the caller the same at any size.
                 kernels.rows(table[3:], k, 1, nbytes, kernels.programs)
-                if digests and self._hash_stream is not None:  # the next gather reuses the staging
-                    self.stream.wait_stream(self._hash_stream)
+                if digests and hashes is not None:  # the next gather reuses the staging
+                    copies.wait_stream(hashes)
             if digests:
                 batch.digests = to_host(found).numpy().view(np.uint64)
                 for tensor in (staging, table, found):
-                    used_on(tensor, self._hash_stream)
-            return Fence(recorded(self.stream), read)
+                    used_on(tensor, hashes)
+            return Fence(recorded(copies), read)
 
     def _kernel_scatter(self, batch: StagedBatch, ok, after, expected) -> Fence:
         """The pool -> device staging (the copy engine, one copy a chunk) -> the blocks of the
@@ -489,13 +494,14 @@ class Transfer:
                 batch.verified = to_host(verified).numpy()
             return Fence(recorded(self._scatter_stream))
 
-    def gather(self, batch: StagedBatch, *, digests: bool = False) -> Fence:
+    def gather(self, batch: StagedBatch, *, digests: bool = False, urgent: bool = False) -> Fence:
         """KV blocks -> staging. ``digests`` (where ``digests_ride_copies``): also set
         ``batch.digests``, each entry's XXH3-64 (the store's payload hash), computed while the
         bytes are in cache or in device staging (then filled once the fence completed).
         CUDA: the blocks are read on the side stream; the caller's stream must wait for the
         fence (``Fence.wait_stream``), or fence the blocks (``KVLayout.fence``), before it
-        writes them again."""
+        writes them again. ``urgent``: on streams of its own, never behind other gathers'
+        copies (for blocks the caller's stream waits for at once)."""
         if self.kernels is None:
             return self._cpu_copy(batch, to_pool=True, digests=digests)
         if digests and not self.digests_ride_copies():
@@ -503,7 +509,7 @@ class Transfer:
         if not batch.blocks:
             batch.digests = np.zeros(0, dtype=np.uint64) if digests else None
             return Fence()
-        return self._kernel_gather(batch, digests)
+        return self._kernel_gather(batch, digests, urgent)
 
     def scatter(self, batch: StagedBatch, ok: Optional[Sequence[bool]] = None, *, expected=None, after=None) -> Fence:
         """Staging -> KV blocks, only for entries with ``ok[i]`` true (default: all).
