@@ -546,6 +546,32 @@ def test_a_save_whose_blocks_are_fenced_before_the_launch_lane_reached_it_is_can
     engine.shutdown()
 
 
+def test_a_fence_on_blocks_whose_copies_are_being_launched_waits_for_the_launch(monkeypatch):
+    """A fence on blocks whose copies the launch lane is launching right now waits (on the host)
+    until they are launched, then orders the caller's stream after their reads: it neither
+    cancels a save already under way nor returns before its reads exist."""
+    engine, streams, launches, entries = _fenced_engine(monkeypatch, "direct")
+    store = engine.store
+    entered, gate, begin = threading.Event(), threading.Event(), store.save_blocks_begin
+
+    def launching(*args, **kwargs):
+        if threading.current_thread() is not threading.main_thread():  # the lane, not the urgent copies
+            entered.set()
+            gate.wait(30)
+        return begin(*args, **kwargs)
+
+    monkeypatch.setattr(store, "save_blocks_begin", launching)
+    engine.submit_planned(puts={7: entries}, fenced_groups=[0])
+    assert entered.wait(30)  # the lane is launching group 0's copies
+    threading.Timer(0.2, gate.set).start()
+    assert engine.fence([5]) == 1
+    later = streams.launch("a kernel that rewrites block 5")
+    assert engine.wait_idle(30) and engine.get_finished().jobs_done == {7: "ok"}
+    gathers, groups = launches["gather"], launches["gathered groups"]
+    assert any(streams.before(gather, later) for gather, g in zip(gathers, groups) if g == {0})
+    engine.shutdown()
+
+
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 
