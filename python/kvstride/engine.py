@@ -1216,7 +1216,12 @@ class OffloadEngine:
             item.coming.done()
         if started is not None:
             self._finish_or_queue(job, entries, started, put_start)
-        with self._lock:  # a finish on the save lane counts itself
+        self._part_done(job)  # (a finish handed to the save lane counts itself)
+
+    def _part_done(self, job: _SaveJob) -> None:
+        """One of ``job``'s parts in flight ended: the job finishes with the last one, once its
+        copies out of the KV cache are all started."""
+        with self._lock:
             job.in_flight -= 1
             finished = not job.in_flight and not job.staging
         if finished:
@@ -1231,11 +1236,7 @@ class OffloadEngine:
             statuses = [Status.ERROR] * len(item.entries)
         self._time("put", time.perf_counter() - item.started)
         self._count_puts(item.job, item.entries, statuses)
-        with self._lock:
-            item.job.in_flight -= 1
-            finished = not item.job.in_flight and not item.job.staging
-        if finished:
-            self._finish_saves(item.job)
+        self._part_done(item.job)
 
     def _put(self, items: List[_PutBatch]) -> None:
         """One store call for ``items`` (``_next_items``), then each batch released and
