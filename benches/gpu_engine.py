@@ -146,8 +146,8 @@ class StreamWait:
         self.seconds.append(start.elapsed_time(end) / 1e3)
         return result
 
-    def median_ms(self, first: int = 0) -> float:
-        return statistics.median(self.seconds[first:]) * 1e3 if self.seconds[first:] else 0.0
+    def median_ms(self) -> float:
+        return statistics.median(self.seconds) * 1e3 if self.seconds else 0.0
 
 
 def run(name: str, args, device) -> bool:
