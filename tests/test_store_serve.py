@@ -165,11 +165,24 @@ CLIENT = textwrap.dedent(
 
 
 def _client(op, config_path, *args):
+    return _client_result(_client_start(op, config_path, *args))
+
+
+def _client_start(op, config_path, *args) -> subprocess.Popen:
     env = dict(ENV, MOONCAKE_CONFIG_PATH=str(config_path))
     argv = [sys.executable, "-c", CLIENT, op, *map(str, args)]
-    done = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0, done.stderr[-3000:]
-    return done.stdout.split()
+    return subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _client_result(proc: subprocess.Popen):
+    """The statuses the client printed, once it exited."""
+    try:
+        out, err = proc.communicate(timeout=120)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        out, err = proc.communicate()
+    assert proc.returncode == 0, err[-3000:]
+    return out.split()
 
 
 def _serve(log_path, *args):
@@ -253,6 +266,38 @@ def test_objects_outlive_a_holder_stalled_past_mooncakes_client_ttl(tmp_path):
     assert list(tmp_path.glob("master-*.log")), "--log-dir kept no master log"
 
 
+@pytest.mark.parametrize("lease_ttl", [None, 40])
+def test_a_read_from_a_holder_stalled_past_the_lease_fails_unless_the_lease_is_longer(tmp_path, lease_ttl):
+    """A read whose transfer outlives Mooncake's read lease fails (LEASE_EXPIRED: the bytes may
+    have been evicted meanwhile), however whole they arrive. The holder is stopped for 16 s while
+    a client reads: with Mooncake's 10 s lease the read is a miss, with ``--lease-ttl 40`` it
+    reads back whole."""
+    config_path, log_path = tmp_path / "engines.json", tmp_path / "serve.err"
+    lease = [] if lease_ttl is None else ["--lease-ttl", str(lease_ttl)]
+    server = _serve(log_path, "--bytes", "16M", "--config-out", str(config_path), *lease)
+    try:
+        _wait_for_config(server, config_path, log_path)
+        n, size = 2, 64 << 10
+        written, read = tmp_path / "written.npy", tmp_path / "read.npy"
+        np.save(written, np.frombuffer(os.urandom(n * size), np.uint8).reshape(n, size))
+        assert _client("put", config_path, written, n) == ["ok"] * n
+        os.kill(server.pid, signal.SIGSTOP)  # the holder stops serving its segment; its master runs on
+        try:
+            reader = _client_start("get", config_path, read, n, size)
+            time.sleep(16)
+        finally:
+            os.kill(server.pid, signal.SIGCONT)
+        statuses = _client_result(reader)
+        if lease_ttl is None:
+            assert statuses == ["missing"] * (n + 1)
+        else:
+            assert statuses == ["ok"] * n + ["missing"]
+            assert np.load(read).tobytes() == np.load(written).tobytes()
+    finally:
+        rc, _, err = _stop(server, signal.SIGTERM, log_path)
+    assert rc == 0, err[-3000:]
+
+
 def test_sigint_on_a_chosen_port(tmp_path):
     config_path, port = tmp_path / "engines.json", _free_port()
     log_path = tmp_path / "serve.err"
@@ -269,7 +314,8 @@ def test_sigint_on_a_chosen_port(tmp_path):
     "args, message",
     [(["--bytes", "lots"], "--bytes 'lots' is not a size"), (["--bytes", "0"], "--bytes must be > 0"),
      (["--bytes", "1G", "--host", "0.0.0.0"], "is a wildcard"),
-     (["--bytes", "1G", "--client-ttl", "0"], "--client-ttl: must be a whole number of seconds > 0")],
+     (["--bytes", "1G", "--client-ttl", "0"], "--client-ttl: must be a whole number of seconds > 0"),
+     (["--bytes", "1G", "--lease-ttl", "1.5"], "--lease-ttl: must be a whole number of seconds > 0")],
 )
 def test_serve_refuses_bad_arguments(args, message):
     argv = [sys.executable, "-m", "kvstride.cli", "store", "serve", *args]

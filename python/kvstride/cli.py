@@ -580,7 +580,8 @@ def store_serve(args) -> int:
         # The holder below lives and dies with this master, so a missed heartbeat (a busy host)
         # must not make the master drop the holder's segment and every object in it.
         master = start_master(
-            host=args.host, rpc_port=args.port, client_ttl_s=args.client_ttl, extra_args=["--minloglevel=1"],
+            host=args.host, rpc_port=args.port, client_ttl_s=args.client_ttl,
+            lease_ttl_ms=None if args.lease_ttl is None else args.lease_ttl * 1000, extra_args=["--minloglevel=1"],
             log_dir=args.log_dir,
         )
         holder = MooncakeStore(master, segment_bytes=segment_bytes, local_hostname=args.host)
@@ -791,6 +792,15 @@ def build_parser() -> argparse.ArgumentParser:
         help="how long the master keeps a client's segment, and every object in it, without a heartbeat "
         f"(mooncake_master --client_ttl; default: {STORE_SERVE_CLIENT_TTL_S}, where Mooncake's 10 lost the holder's "
         "objects whenever a busy host delayed its heartbeat)",
+    )
+    serve.add_argument(
+        "--lease-ttl",
+        type=_positive_seconds,
+        default=None,
+        metavar="SECONDS",
+        help="how long a read may take before Mooncake fails it as LEASE_EXPIRED, which the engine counts and "
+        "recomputes (mooncake_master --default_kv_lease_ttl; default: Mooncake's 10). A read holds its object "
+        "against eviction that long. Raise it with the engines' load_timeout_s, which ends a load before then",
     )
     serve.add_argument(
         "--log-dir",
