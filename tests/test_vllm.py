@@ -433,24 +433,41 @@ def test_window_blocks_after_failed_saves_are_stored_as_computed(model_dirs, mon
     assert not wrong, f"{len(wrong)} of {checked} stored blocks hold other bytes than their tokens' KV: {sorted(wrong)}"
 
 
-def test_every_block_a_step_hands_to_a_request_is_fenced_before_its_forward(model_dirs, monkeypatch):
+#: (prompts, prompt tokens, tokens generated): long prompts that run one or two at a time, and
+#: more requests than the cache holds as they grow, which vLLM preempts; a preempted request
+#: hits what it saved and waits for its load.
+FENCE_WORKLOADS = {"long prompts": (3, harness.PROMPT_TOKENS, 64), "preempting": (4, 96, 288)}
+
+
+@pytest.mark.parametrize("workload", FENCE_WORKLOADS)
+def test_every_block_a_step_hands_to_a_request_is_fenced_before_its_forward(model_dirs, monkeypatch, workload):
     """On CUDA a save's reads run beside the next steps' kernels, until the step about to write
     one of its blocks is fenced. Each step's metadata must name every block vLLM's scheduling
-    handed to a request in that step (freed by a finished request or by a sliding window, and
-    given to another), as vLLM's own block tables show them before and
-    after the step's scheduling; and the worker fences exactly those blocks before the
-    forward (vLLM calls ``handle_preemptions`` there)."""
+    handed to a request in that step (freed by a finished or preempted request or by a sliding
+    window, and given to another; the blocks of a request that waits for its load, which the
+    load writes that step), as vLLM's own block tables show them before and after the step's
+    scheduling; and the worker fences exactly those blocks before the forward and the loads
+    (vLLM calls ``handle_preemptions`` there)."""
     name = "gemma3"
-    prompts = [[(7 * i + 11 * k) % 500 + 3 for i in range(harness.PROMPT_TOKENS)] for k in range(3)]
+    count, prompt_tokens, generated = FENCE_WORKLOADS[workload]
+    prompts = [[(7 * i + 11 * k) % 500 + 3 for i in range(prompt_tokens)] for k in range(count)]
     kwargs = harness.engine_kwargs(
         harness.MODELS[name], model_dirs[name], connector=_store_config("embedded", None, f"fence-{os.getpid()}"),
-        max_model_len=harness.PROMPT_TOKENS + 96, num_gpu_blocks_override=48,
+        max_model_len=prompt_tokens + generated, num_gpu_blocks_override=48,
     )
     llm = LLM(**kwargs)
+    preempted = []
     try:
         scheduler = harness.scheduler_of(llm)
         manager = scheduler.kv_cache_manager
         _, worker = _connectors(llm)
+        preempt = scheduler._preempt_request
+
+        def preempting(request, *args, **kwargs):
+            preempted.append(request.request_id)
+            return preempt(request, *args, **kwargs)
+
+        monkeypatch.setattr(scheduler, "_preempt_request", preempting)
 
         def owned():
             return {rid: {b for table in manager.get_block_ids(rid) for b in table} for rid in scheduler.requests}
@@ -476,11 +493,13 @@ def test_every_block_a_step_hands_to_a_request_is_fenced_before_its_forward(mode
         monkeypatch.setattr(scheduler, "schedule", scheduling)
         monkeypatch.setattr(scheduler.connector, "build_connector_meta", building)
         monkeypatch.setattr(worker.engine, "fence", fencing)
-        llm.generate([{"prompt_token_ids": p} for p in prompts], harness.sampling(64), use_tqdm=False)
+        llm.generate([{"prompt_token_ids": p} for p in prompts], harness.sampling(generated), use_tqdm=False)
         harness.assert_idle(llm, None)
     finally:
         harness.close(llm)
         kv_vllm.drop_shared_stores()
+    assert bool(preempted) == (workload == "preempting"), f"preempted: {preempted}"
+    assert any(meta.loads for meta in metas) == (workload == "preempting")
     assert len(handed) == len(metas) and metas
     for step, (blocks, meta) in enumerate(zip(handed, metas)):
         assert blocks <= set(meta.allocated), f"step {step}: blocks {sorted(blocks - set(meta.allocated))} not named"

@@ -30,8 +30,9 @@ class KVStrideMetadata(KVConnectorMetadata):
     # key); req id -> the (record, slot, key, group) its load reads into slots first.
     disk_writes: Dict[int, List[Tuple[int, int, str]]] = field(default_factory=dict)
     disk_reads: Dict[str, List[Tuple[int, int, str, int]]] = field(default_factory=dict)
-    # Block ids the step's scheduling allocated anew (any group; None: unknown, every block):
-    # saves still reading one are waited for before the step's forward may write it.
+    # Block ids the step's scheduling allocated anew, those its loads write included (any group;
+    # None: unknown, every block): saves still reading one are waited for before the step's
+    # forward or loads may write it.
     allocated: Optional[List[int]] = field(default_factory=list)
 
 

@@ -46,6 +46,11 @@ def allocated_blocks(scheduler_output) -> List[int]:
     return sorted({block for per_group in tables for table in per_group for block in table})
 
 
+def load_blocks(loads: Dict[str, Dict[int, list]]) -> List[int]:
+    """The block ids ``KVStrideMetadata.loads`` write, of every rank."""
+    return sorted({block for per_rank in loads.values() for entries in per_rank.values() for _, _, block in entries})
+
+
 def _nothing_known(keys) -> List[bool]:
     """Plans keep every key; what need not be written is decided once for every rank's keys
     (``SchedulerSide._without_known``)."""
@@ -191,6 +196,9 @@ class SchedulerSide(Outcomes):
         self._failed_allocs.clear()
         for load in loads:  # before the saves: the arena pins the loads' slots before any eviction
             self._plan_load(load, meta)
+        if meta.allocated is not None and meta.loads:
+            # A request waiting for its load holds blocks no scheduled request names: the load writes them.
+            meta.allocated = sorted(set(meta.allocated).union(load_blocks(meta.loads)))
         try:
             saves = self._build_saves(scheduler_output, meta)
             if saves:

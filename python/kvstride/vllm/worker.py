@@ -219,9 +219,10 @@ class WorkerSide(Outcomes):
         counts[1] += ended
 
     def handle_preemptions(self, kv_connector_metadata) -> None:
-        """Before the step's forward: its stream waits (on the device) for the saves still
-        reading a block the step's scheduling allocated anew, the blocks of a preempted or
-        finished request included. The offsets of a preempted request live on the scheduler."""
+        """Before the step's forward and loads: its stream waits (on the device) for the saves
+        still reading a block the step's scheduling allocated anew (the blocks of a preempted or
+        finished request included) or a load of the step writes. The offsets of a preempted
+        request live on the scheduler."""
         try:
             if isinstance(kv_connector_metadata, KVStrideMetadata) and self.engine is not None:
                 self.engine.fence(kv_connector_metadata.allocated)
