@@ -161,7 +161,8 @@ class PendingReads:
         self._coming: List["ComingReads"] = []
 
     def __len__(self) -> int:
-        return len(self._reads) + len(self._coming)
+        with self._changed:  # both lists at one moment: a launch moves a read from one to the other
+            return len(self._reads) + len(self._coming)
 
     def add(self, block_ids, event) -> None:
         """A read of ``block_ids`` that completes with ``event`` (None: already done); the reads
