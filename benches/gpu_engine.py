@@ -122,8 +122,11 @@ def setup(name: str, args, device, copies: int):
     planner = kvstride.KeyPlanner(specs, hash_block_size=H, scheduler_block_size=S, namespace=f"gpu-{name}")
     stored = [g for g, n in enumerate(planner.hashes_per_block) if n]
     entries = [(g, 1 + b) for g in stored for b in range(saved_blocks)]
-    # The groups the vLLM connector fences on reallocation (all but Mamba's hand-off states).
-    fenced = [g for g, spec in enumerate(specs) if spec.kind != "mamba"]
+    # The groups the vLLM connector fences on reallocation (kvstride.vllm.worker.fenced_groups,
+    # which needs vLLM): none with Mamba layers, whose new blocks vLLM zeroes before any fence;
+    # else all but a scratch ring, rewritten in place.
+    mamba = any(spec.kind == "mamba" for spec in specs)
+    fenced = [] if mamba else [g for g, spec in enumerate(specs) if spec.kind != "circular_buffer"]
     return kv, names, layout, planner, stored, entries, saved_blocks, fenced
 
 

@@ -508,6 +508,42 @@ def test_every_block_a_step_hands_to_a_request_is_fenced_before_its_forward(mode
     assert reused, "the workload must hand blocks out again"
 
 
+@pytest.mark.parametrize("name", ["gemma3", "lfm2"])
+def test_reads_are_left_pending_only_where_vllm_writes_new_blocks_after_the_fence(model_dirs, name):
+    """vLLM zeroes the blocks it allocates in a KV cache with Mamba layers (its KV-cache config
+    says so), and 0.34's model runner does that before ``handle_preemptions``, where no fence
+    can order a save's pending reads first. So on a Mamba hybrid no group is fenced: the
+    step's stream waits for every read of a save at once. Sliding-window and full-attention
+    groups are fenced."""
+    llm = LLM(**harness.engine_kwargs(harness.MODELS[name], model_dirs[name],
+                                      connector=_store_config("embedded", None, f"fenced-{name}-{os.getpid()}")))
+    try:
+        _, worker = _connectors(llm)
+        kv_cache_config = harness.scheduler_of(llm).kv_cache_config
+        fenced = worker._fenced_groups
+    finally:
+        harness.close(llm)
+        kv_vllm.drop_shared_stores()
+    if name == "lfm2":
+        assert kv_cache_config.needs_kv_cache_zeroing and fenced == frozenset()
+    else:
+        groups = len(kv_cache_config.kv_cache_groups)
+        assert not kv_cache_config.needs_kv_cache_zeroing and fenced == frozenset(range(groups))
+
+
+def test_no_group_is_fenced_in_a_mixed_precision_cache_and_a_ring_never_is():
+    """A mixed-precision KV cache is zeroed on allocation too (vLLM's config says so); a
+    circular buffer's block is rewritten in place while its request runs, as a Mamba state is."""
+    from types import SimpleNamespace
+
+    from kvstride import GroupSpec
+    from kvstride.vllm.worker import fenced_groups
+
+    groups = [GroupSpec("full_attention", 32), GroupSpec("circular_buffer", 32)]
+    assert fenced_groups(groups, SimpleNamespace(needs_kv_cache_zeroing=False)) == frozenset({0})
+    assert fenced_groups(groups, SimpleNamespace(needs_kv_cache_zeroing=True)) == frozenset()
+
+
 # ---- the boundary rule in one place (issue 14.3, review B6) ----------------------------------
 
 #: A prompt one token past a block boundary (481 = 15 * 32 + 1).

@@ -15,7 +15,9 @@ On CUDA a save's reads of the KV cache run on a side stream beside the next step
 (into the arena, launched by the engine's launch lane). A block vLLM writes again was either
 allocated anew, and each step's metadata names the blocks its scheduling allocated, which the
 step's stream is fenced against before its forward (``handle_preemptions``), or it is a Mamba
-hand-off state rewritten in place, whose reads the step's stream waits for at once.
+hand-off state rewritten in place, whose reads the step's stream waits for at once. Where vLLM
+writes newly allocated blocks before ``handle_preemptions`` (a KV cache with Mamba layers or of
+mixed precision: :func:`fenced_groups`), the step's stream waits at once for every read.
 """
 
 from __future__ import annotations
@@ -38,6 +40,20 @@ __all__ = ["WorkerSide"]
 
 log = logging.getLogger("kvstride.vllm")
 
+#: Group kinds whose blocks vLLM rewrites in place while their request runs.
+REWRITTEN_IN_PLACE = frozenset({"mamba", "circular_buffer"})
+
+
+def fenced_groups(groups, kv_cache_config) -> frozenset:
+    """The groups whose saves' reads the step's stream need not wait for at once: those whose
+    blocks vLLM writes again only once it allocated them anew, after ``handle_preemptions``
+    fenced them. None where vLLM writes new blocks before that hook: it zeroes them in a KV
+    cache with Mamba layers or of mixed precision, and copies Mamba states into them (vLLM
+    0.34's model runner does both in ``update_requests``, before ``pre_forward``)."""
+    if getattr(kv_cache_config, "needs_kv_cache_zeroing", False) or any(spec.kind == "mamba" for spec in groups):
+        return frozenset()
+    return frozenset(g for g, spec in enumerate(groups) if spec.kind not in REWRITTEN_IN_PLACE)
+
 
 class WorkerSide(Outcomes):
     """A worker process's half of :class:`kvstride.vllm.KVStrideConnector`."""
@@ -58,9 +74,7 @@ class WorkerSide(Outcomes):
         self._job_reports: Dict[int, List[int]] = {}
         self._corrupt: list = []  # what loads found corrupted, for the scheduler's placement
         self._saved_meta: Optional[KVStrideMetadata] = None  # the last metadata whose saves ran
-        # Groups whose saved blocks vLLM writes again only once it allocated them anew (every
-        # group but Mamba's, whose hand-off states the next step rewrites in place).
-        self._fenced_groups = frozenset(g for g, spec in enumerate(config.groups) if spec.kind != "mamba")
+        self._fenced_groups = fenced_groups(config.groups, kv_cache_config)
         self._tails_staged: set = set()  # finished requests whose tail saves left their blocks
         self._finished_seen: set = set()  # finished req ids vLLM named, not yet reported
         self._recv_done: set = set()  # loads completed, not yet reported to vLLM
