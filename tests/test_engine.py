@@ -793,6 +793,41 @@ def test_submit_racing_shutdown_loses_no_job(rig_factory):
     assert spy.violations == []
 
 
+def test_a_planned_job_refused_by_shutdown_while_waiting_for_room_is_reported_failed(rig_factory):
+    """A planned job (``submit_planned``: its owner is the job id, not a request) waiting for
+    staging room when the engine shuts down is refused, and reported failed, not "ok"."""
+    rig, spy = spy_rig(rig_factory, "fa", pool_bytes=4096)  # saves: 3 KiB, FA blocks of 256 B
+    rig.engine.save_wait_s = rig.engine.staging_wait_s = 60.0  # the step waits for room
+    rig.engine.put_linger_s = 0.0
+    gate = threading.Event()
+
+    def held_put(keys, buffers):
+        gate.wait(30)
+        return spy.inner.put(keys, buffers)
+
+    spy.put_hook = held_put
+    _, a_hashes, a_tables, _ = rig.source_request(192)  # 12 blocks: the whole save share
+    _, b_hashes, b_tables, _ = rig.source_request(64)
+    a_entries = list(rig.planner.plan_save(a_hashes, a_tables, 192).puts)
+    b_entries = list(rig.planner.plan_save(b_hashes, b_tables, 64).puts)
+    rig.engine.submit_planned(puts={1: a_entries})
+    deadline = time.monotonic() + 10
+    while not spy.ops("put") and time.monotonic() < deadline:  # job 1's put holds the share
+        time.sleep(0.01)
+    step = threading.Thread(target=rig.engine.submit_planned, kwargs={"puts": {2: b_entries}})
+    step.start()
+    time.sleep(0.2)  # job 2 waits for room
+    stopping = threading.Thread(target=rig.engine.shutdown, kwargs={"timeout": 30})
+    stopping.start()
+    step.join(10)
+    assert not step.is_alive()
+    gate.set()
+    stopping.join(30)
+    assert rig.engine.get_finished().jobs_done == {1: "ok", 2: "failed"}
+    assert not any(spy.inner.exists([key for key, _, _ in b_entries]))
+    spy.close()
+
+
 def test_job_that_raises_inside_the_worker(rig_factory):
     rig, spy = spy_rig(rig_factory, "fa+mamba")
     tokens, hashes, tables, handoffs = rig.source_request(100)

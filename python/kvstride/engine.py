@@ -1058,7 +1058,7 @@ class OffloadEngine:
             end, batch = self._stage_run(entries, position, "save", room_coming)
             if batch is None:
                 if self._closed:
-                    self._refuse(job)
+                    self._refuse(job, entries[position:])
                 else:
                     self._defer(job, entries[position:])
                 break
@@ -1077,7 +1077,7 @@ class OffloadEngine:
                     self._save_queue.put(_PutBatch(job, entries[position:end], batch, fence))
             if refused:
                 self._release_batch(batch)
-                self._refuse(job)
+                self._refuse(job, entries[position:])
                 break
             position = end
         self._time("save_stage", time.perf_counter() - start_time)
@@ -1091,11 +1091,13 @@ class OffloadEngine:
         started = self._put_started
         return started is None or time.monotonic() - started < self.save_wait_s
 
-    def _refuse(self, job: _SaveJob) -> None:
-        """Shut down while staging: nothing more of ``job`` may reach the store."""
+    def _refuse(self, job: _SaveJob, rest: List[Tuple[str, int, int]]) -> None:
+        """Shut down while staging: nothing more of ``job`` may reach the store, so its
+        requests, and the owners of ``rest`` (a planned job's), fail."""
         with self._lock:
             self.counters["refused_after_shutdown"] += len(job.saves)
             job.failed.update(save.req_id for save in job.saves)
+            job.failed.update(owner for key, _, _ in rest for owner in job.owners[key])
 
     def _defer(self, job: _SaveJob, rest: List[Tuple[str, int, int]]) -> None:
         """Leave ``rest`` to a later step: its requests plan those blocks again from their
@@ -1176,9 +1178,14 @@ class OffloadEngine:
             self._finish_or_queue(job, entries, started, put_start)
         if apart:
             coming = self.layout.pending_reads.expect([block for _, _, block in apart])
-            with self._lock:
-                job.in_flight += 1
-            self._launch_queue.put(_Launch(job, apart, self.store.caller_event(), coming))
+            with self._lock:  # the closed check and the enqueue are one step: no launch is lost
+                refused = self._closed
+                if not refused:
+                    job.in_flight += 1
+                    self._launch_queue.put(_Launch(job, apart, self.store.caller_event(), coming))
+            if refused:
+                coming.done()
+                self._refuse(job, apart)
 
     def _finish_or_queue(self, job: _SaveJob, entries, started, put_start: float) -> None:
         """Count a direct save's statuses, or hand its ``finish()`` (device copies still
@@ -1214,9 +1221,11 @@ class OffloadEngine:
             started = [Status.ERROR] * len(entries)
         finally:
             item.coming.done()
-        if started is not None:
-            self._finish_or_queue(job, entries, started, put_start)
-        self._part_done(job)  # (a finish handed to the save lane counts itself)
+        try:
+            if started is not None:
+                self._finish_or_queue(job, entries, started, put_start)
+        finally:
+            self._part_done(job)  # (a finish handed to the save lane counts itself)
 
     def _part_done(self, job: _SaveJob) -> None:
         """One of ``job``'s parts in flight ended: the job finishes with the last one, once its
