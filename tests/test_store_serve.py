@@ -185,6 +185,15 @@ def _client_result(proc: subprocess.Popen):
     return out.split()
 
 
+def _put_random(folder, config_path, n, size):
+    """``n`` random values of ``size`` bytes put by a client; (the .npy file of what was
+    written, the path for what a later get reads)."""
+    written, read = folder / "written.npy", folder / "read.npy"
+    np.save(written, np.frombuffer(os.urandom(n * size), np.uint8).reshape(n, size))
+    assert _client("put", config_path, written, n) == ["ok"] * n
+    return written, read
+
+
 def _serve(log_path, *args):
     """The server, its stderr (Mooncake's log lines too) in a file so that no pipe fills up."""
     with open(log_path, "w") as log:
@@ -249,9 +258,7 @@ def test_objects_outlive_a_holder_stalled_past_mooncakes_client_ttl(tmp_path):
     try:
         _wait_for_config(server, config_path, log_path)
         n, size = 2, 64 << 10
-        written, read = tmp_path / "written.npy", tmp_path / "read.npy"
-        np.save(written, np.frombuffer(os.urandom(n * size), np.uint8).reshape(n, size))
-        assert _client("put", config_path, written, n) == ["ok"] * n
+        written, read = _put_random(tmp_path, config_path, n, size)
         os.kill(server.pid, signal.SIGSTOP)  # the holder's heartbeat stops; its master runs on
         try:
             time.sleep(13)
@@ -278,9 +285,7 @@ def test_a_read_from_a_holder_stalled_past_the_lease_fails_unless_the_lease_is_l
     try:
         _wait_for_config(server, config_path, log_path)
         n, size = 2, 64 << 10
-        written, read = tmp_path / "written.npy", tmp_path / "read.npy"
-        np.save(written, np.frombuffer(os.urandom(n * size), np.uint8).reshape(n, size))
-        assert _client("put", config_path, written, n) == ["ok"] * n
+        written, read = _put_random(tmp_path, config_path, n, size)
         os.kill(server.pid, signal.SIGSTOP)  # the holder stops serving its segment; its master runs on
         try:
             reader = _client_start("get", config_path, read, n, size)
