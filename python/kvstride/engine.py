@@ -1097,7 +1097,7 @@ class OffloadEngine:
         with self._lock:
             self.counters["refused_after_shutdown"] += len(job.saves)
             job.failed.update(save.req_id for save in job.saves)
-            job.failed.update(owner for key, _, _ in rest for owner in job.owners[key])
+            self._fail_owners(job, rest)
 
     def _defer(self, job: _SaveJob, rest: List[Tuple[str, int, int]]) -> None:
         """Leave ``rest`` to a later step: its requests plan those blocks again from their
@@ -1145,9 +1145,12 @@ class OffloadEngine:
         self._count_outcomes("put", entries, statuses, "bytes_stored")
         if not all(status is Status.OK for status in statuses):
             with self._lock:
-                for (key, _, _), status in zip(entries, statuses):
-                    if status is not Status.OK:
-                        job.failed.update(job.owners[key])
+                self._fail_owners(job, [entry for entry, status in zip(entries, statuses) if status is not Status.OK])
+
+    @staticmethod
+    def _fail_owners(job: _SaveJob, entries: List[Tuple[str, int, int]]) -> None:
+        """(Under the lock) the requests (or planned job) owning ``entries``' keys fail."""
+        job.failed.update(owner for key, _, _ in entries for owner in job.owners[key])
 
     def _save_direct(self, job: _SaveJob) -> None:
         """Plan ``job``'s saves and copy their blocks straight into the store."""
@@ -1213,8 +1216,7 @@ class OffloadEngine:
                 self._log_once("fence-cancel", "saves whose blocks were written again before their copies "
                                "were launched were cancelled (the launch lane is behind)")
                 with self._lock:
-                    for key, _, _ in entries:
-                        job.failed.update(job.owners[key])
+                    self._fail_owners(job, entries)
         except Exception as err:  # never into the driver: fail these saves, keep going
             self._log_once("save-bug", "save job of step %d failed: %r", job.step, err)
             self.count("save_job_errors")
