@@ -40,19 +40,16 @@ __all__ = ["WorkerSide"]
 
 log = logging.getLogger("kvstride.vllm")
 
-#: Group kinds whose blocks vLLM rewrites in place while their request runs.
-REWRITTEN_IN_PLACE = frozenset({"mamba", "circular_buffer"})
-
-
 def fenced_groups(groups, kv_cache_config) -> frozenset:
     """The groups whose saves' reads the step's stream need not wait for at once: those whose
     blocks vLLM writes again only once it allocated them anew, after ``handle_preemptions``
     fenced them. None where vLLM writes new blocks before that hook: it zeroes them in a KV
     cache with Mamba layers or of mixed precision, and copies Mamba states into them (vLLM
-    0.34's model runner does both in ``update_requests``, before ``pre_forward``)."""
+    0.34's model runner does both in ``update_requests``, before ``pre_forward``). Never a
+    scratch ring, whose block is rewritten in place while its request runs."""
     if getattr(kv_cache_config, "needs_kv_cache_zeroing", False) or any(spec.kind == "mamba" for spec in groups):
         return frozenset()
-    return frozenset(g for g, spec in enumerate(groups) if spec.kind not in REWRITTEN_IN_PLACE)
+    return frozenset(g for g, spec in enumerate(groups) if spec.kind != "circular_buffer")
 
 
 class WorkerSide(Outcomes):
