@@ -456,11 +456,12 @@ class OffloadEngine:
         ``shutdown`` every request misses and the store is not called. ``bitmaps``, if given,
         gets each request's existence bitmap over ``planner.lookup_keys`` when the store
         answered (none for a request whose answer timed out or failed: its misses are not the
-        store's word)."""
+        store's word). A request given as ``(req_id, hashes, num_tokens, planner)`` is keyed by
+        its own planner (one bound to its adapter or multimodal content)."""
         with self._lock:
             if self._closed:
                 self.count("lookups_refused", len(requests))
-                return {req_id: 0 for req_id, _, _ in requests}
+                return {request[0]: 0 for request in requests}
             self._lookups_in_flight += 1
         try:
             return self._lookup(requests, bitmaps)
@@ -473,14 +474,15 @@ class OffloadEngine:
         start = time.perf_counter()
         per_request = []
         unique: Dict[str, int] = {}
-        for req_id, hashes, num_tokens in requests:
+        for req_id, hashes, num_tokens, *own in requests:
+            planner = own[0] if own else self.planner
             try:
-                keys = self.planner.lookup_keys(hashes, num_tokens)
+                keys = planner.lookup_keys(hashes, num_tokens)
             except Exception as err:  # a malformed request misses; the others go on
                 self._log_once("lookup-request", "lookup of request %s refused: %r", req_id, err)
                 self.count("lookup_errors")
                 keys = None
-            per_request.append((req_id, hashes, num_tokens, keys))
+            per_request.append((req_id, hashes, num_tokens, keys, planner))
             for key in keys or ():
                 unique.setdefault(key, len(unique))
         present = [False] * len(unique)
@@ -498,18 +500,18 @@ class OffloadEngine:
                 self.count("lookup_errors")
                 present, answered = [False] * len(unique), False
         hits = {}
-        for req_id, hashes, num_tokens, keys in per_request:
+        for req_id, hashes, num_tokens, keys, planner in per_request:
             if keys is None:
                 hits[req_id] = 0
                 continue
             bitmap = [present[unique[k]] for k in keys]
-            hits[req_id] = self.planner.longest_hit_bitmap(hashes, num_tokens, bitmap)
+            hits[req_id] = planner.longest_hit_bitmap(hashes, num_tokens, bitmap)
             if bitmaps_out is not None and answered:
                 bitmaps_out[req_id] = bitmap
         with self._lock:
             self.counters["lookups"] += len(per_request)
             self.counters["lookup_hit_tokens"] += sum(hits.values())
-            self.counters["lookup_tokens"] += sum(n for _, _, n, _ in per_request)
+            self.counters["lookup_tokens"] += sum(request[2] for request in per_request)
         self.count("lookup_keys", len(unique))
         self._time("lookup", time.perf_counter() - start)
         return hits

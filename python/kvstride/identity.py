@@ -38,6 +38,7 @@ __all__ = [
     "CheckpointDigest",
     "checkpoint_digest",
     "checkpoint_files",
+    "code_digest",
     "WINDOW_BYTES",
     "WINDOWS",
     "FILE_WINDOWS",
@@ -209,13 +210,33 @@ def local_checkpoint(model: str, revision: Optional[str] = None, download_dir: O
         return None
 
 
+def code_digest(path) -> str:
+    """SHA-256 hex of the model code in checkpoint folder ``path``: every ``*.py`` file in it
+    and its subfolders (what ``trust_remote_code`` imports), by relative path and content."""
+    root = Path(path)
+    total = hashlib.sha256(b"kvstride model code v1\0")
+    for file in sorted(p for p in root.rglob("*.py") if p.is_file()):
+        try:
+            content = file.read_bytes()
+        except OSError as err:
+            raise ValueError(f"cannot read model code {str(file)!r}: {err}") from err
+        name = file.relative_to(root).as_posix().encode()
+        total.update(struct.pack("<QQ", len(name), len(content)) + name + content)
+    return total.hexdigest()
+
+
 def plain(value):
-    """``value`` as JSON-ready data (dicts by key, anything else by its repr): configuration
-    such as ``hf_overrides`` in a fingerprint."""
+    """``value`` as JSON-ready data, the same in every process: dicts by key, sets sorted, a
+    function or class by its qualified name, anything else by its repr (configuration such as
+    ``hf_overrides`` in a fingerprint)."""
     if isinstance(value, dict):
         return {str(k): plain(v) for k, v in sorted(value.items(), key=lambda kv: str(kv[0]))}
     if isinstance(value, (list, tuple)):
         return [plain(v) for v in value]
+    if isinstance(value, (set, frozenset)):
+        return sorted((plain(v) for v in value), key=repr)
     if isinstance(value, (str, int, float, bool, type(None))):
         return value
+    if callable(value) and hasattr(value, "__qualname__"):  # its repr holds an address: another in each process
+        return f"callable:{getattr(value, '__module__', '?')}.{value.__qualname__}"
     return repr(value)

@@ -7,10 +7,10 @@ from __future__ import annotations
 
 import difflib
 from dataclasses import dataclass, field
-from typing import List, Optional
+from typing import Callable, List, Optional
 
 import kvstride
-from kvstride.identity import checkpoint_digest, local_checkpoint, plain
+from kvstride.identity import checkpoint_digest, code_digest, local_checkpoint, plain
 from kvstride.mooncake_config import OVERRIDE_KEYS
 from kvstride.engine import (
     DEFAULT_LOAD_TIMEOUT_S,
@@ -30,7 +30,7 @@ from kvstride.vllm.store_registry import StoreChoice, choose_store
 
 __all__ = [
     "ConnectorConfig", "resolve_config", "group_specs", "model_identity", "ADMISSION_POLICIES", "check_admission",
-    "KNOWN_KEYS", "check_known_keys",
+    "KNOWN_KEYS", "check_known_keys", "check_failure_policy", "BYTE_CACHE_FLAGS",
 ]
 
 #: ``kv_connector_extra_config["admission"]``: ``kvstride`` keeps a window group's blocks only
@@ -43,7 +43,7 @@ ADMISSION_POLICIES = ("kvstride", "dense")
 KNOWN_KEYS = frozenset({
     "store", "store_bytes", "disk_path", "disk_bytes", "staging_bytes", "save_wait_s", "staging_wait_s", "put_linger_s",
     "load_timeout_s", "lookup_timeout_s",
-    "admission",
+    "admission", "allow_failing_loads", "trust_client_mm_uuids",
     "store_name", "model_id", "model_identity", "allow_weak_hash", "cache_prefix", "secret_file", *OVERRIDE_KEYS,
 })
 
@@ -192,19 +192,42 @@ def _tp_rank(parallel_config, tp_size: int) -> int:
         return int(getattr(parallel_config, "rank", 0) or 0) % tp_size
 
 
+#: vLLM's cache settings that change the bytes a block or a state holds for the same tokens
+#: (docs/SEMANTICS.md, "What a key binds"): KV and Mamba dtypes, layers kept unquantized, the
+#: Mamba kernels that write the states, and layers that skip tokens (whose KV is then not
+#: computed for every token). Where a setting is absent (another vLLM) it reads as None.
+BYTE_CACHE_FLAGS = (
+    "cache_dtype", "calculate_kv_scales", "kv_cache_dtype_skip_layers", "mamba_cache_dtype",
+    "mamba_ssm_cache_dtype", "mamba_cache_mode", "mamba_block_size", "use_replayssm", "replayssm_buffer_len",
+    "swa_bounded_replay", "kv_sharing_fast_prefill",
+)
+
+
+def _vllm_version() -> str:
+    """The running vLLM's version, local build tag included (a CPU and a CUDA build compute
+    with different kernels)."""
+    try:
+        import vllm
+
+        return str(vllm.__version__)
+    except Exception:  # a vLLM without a version: keyed apart from every versioned one
+        return "unknown"
+
+
 def _fingerprint(vllm_config, kv_cache_config, groups) -> str:
     """16 hex chars describing everything in vLLM's configuration that a stored block's bytes
-    depend on (the weights' content is :func:`model_identity`'s, the worker's memory geometry
-    the value header's: ``KVStore.bind_geometry``)."""
+    depend on (the weights' and the model code's content is :func:`model_identity`'s, the
+    worker's memory geometry the value header's: ``KVStore.bind_geometry``)."""
     model = vllm_config.model_config
     cache = vllm_config.cache_config
     desc = {  # the model's path is the namespace's (model_id), its content model_identity's
+        "vllm": _vllm_version(),
         "revision": str(getattr(model, "revision", None)),
+        "code_revision": str(getattr(model, "code_revision", None)),
         "quantization": str(getattr(model, "quantization", None)),
         "hf_overrides": plain(getattr(model, "hf_overrides", None)),
         "dtype": str(getattr(model, "dtype", "")),
-        "kv_dtype": str(getattr(cache, "cache_dtype", "")),
-        "kv_scales": str(getattr(cache, "calculate_kv_scales", None)),
+        "cache": {flag: plain(getattr(cache, flag, None)) for flag in BYTE_CACHE_FLAGS},
         "hash": str(getattr(cache, "prefix_caching_hash_algo", "")),
         "groups": [
             [type(g.kv_cache_spec).__name__, repr(spec_g), int(getattr(g.kv_cache_spec, "page_size_bytes", 0)), list(g.layer_names)]
@@ -214,11 +237,56 @@ def _fingerprint(vllm_config, kv_cache_config, groups) -> str:
     return kvstride.layout_fingerprint(desc)
 
 
+def check_failure_policy(vllm_config, extra: dict) -> None:
+    """vLLM's ``kv_load_failure_policy`` must be ``"recompute"``: kvstride reports routine misses
+    (a load past its deadline, a value evicted or corrupted since the lookup, a rejected disk
+    record) as failed loads, which vLLM's default ``"fail"`` turns into failed requests. The
+    operator who wants that sets ``allow_failing_loads``."""
+    allow = extra.get("allow_failing_loads", False)
+    if not isinstance(allow, bool):
+        raise ValueError(f"kv_connector_extra_config['allow_failing_loads']={allow!r}: give true or false")
+    transfer = getattr(vllm_config, "kv_transfer_config", None)
+    policy = getattr(transfer, "kv_load_failure_policy", None)
+    if policy is None or policy == "recompute" or allow:
+        return
+    raise ValueError(
+        f"kv_load_failure_policy={policy!r} ends a request with an error whenever its kvstride load fails "
+        "(a deadline, a value evicted since the lookup, a corrupted value: all routine misses); set "
+        "\"kv_load_failure_policy\": \"recompute\" in --kv-transfer-config so that vLLM computes those tokens, "
+        "or kv_connector_extra_config[\"allow_failing_loads\"]: true to keep vLLM's behaviour"
+    )
+
+
+def _check_hf_overrides(vllm_config, extra: dict, shared: bool) -> None:
+    """A callable ``hf_overrides`` changes the model in a way no configuration value shows: on a
+    store that outlives the engine, the operator names the result (``model_identity``)."""
+    overrides = getattr(vllm_config.model_config, "hf_overrides", None)
+    if shared and callable(overrides) and "model_identity" not in extra:
+        raise ValueError(
+            f"hf_overrides is a callable ({plain(overrides)}), whose effect on the model kvstride cannot read: on a "
+            "store other engines or restarts share, set kv_connector_extra_config['model_identity'] to a tag that "
+            "changes whenever the callable or the weights do, or pass hf_overrides as a dict"
+        )
+
+
 def model_identity(vllm_config, extra: dict) -> str:
-    """What the weights contribute to the key namespace: the operator's
+    """What the checkpoint contributes to the key namespace: the operator's
     ``kv_connector_extra_config["model_identity"]`` when set, else the digest of the checkpoint
-    vLLM loads (:func:`kvstride.identity.checkpoint_digest`). Computed once per engine, by the
-    scheduler's side: it plans every rank's keys."""
+    vLLM loads (:func:`kvstride.identity.checkpoint_digest`); with ``trust_remote_code``, the
+    digest of the model code it runs too (:func:`kvstride.identity.code_digest`). Computed once
+    per engine, by the scheduler's side: it plans every rank's keys."""
+    model = vllm_config.model_config
+    load = getattr(vllm_config, "load_config", None)
+    path = local_checkpoint(str(model.model), getattr(model, "revision", None), getattr(load, "download_dir", None))
+    weights = _weights_identity(vllm_config, extra, path)
+    if not getattr(model, "trust_remote_code", False):
+        return weights
+    if path is None or not path.is_dir():  # already warned: unverified weights, unverified code
+        return weights + "+code:unverified"
+    return weights + "+code:" + code_digest(path)
+
+
+def _weights_identity(vllm_config, extra: dict, path) -> str:
     explicit = extra.get("model_identity")
     if explicit is not None:
         if not isinstance(explicit, str) or not explicit.strip():
@@ -230,7 +298,6 @@ def model_identity(vllm_config, extra: dict) -> str:
     model = vllm_config.model_config
     load = getattr(vllm_config, "load_config", None)
     load_format = str(getattr(load, "load_format", "") or "")
-    path = local_checkpoint(str(model.model), getattr(model, "revision", None), getattr(load, "download_dir", None))
     if load_format == "dummy":  # vLLM's seeded random weights: only the config decides them
         return "dummy:" + (checkpoint_digest(path, weights=False).digest if path is not None else str(model.model))
     if path is None:
@@ -272,6 +339,12 @@ class ConnectorConfig:
     # worker, which writes and reads only the keys the scheduler sends it
     model_identity: Optional[str] = None
     worker_rank: int = 0  # this worker's TP rank (its disk tier's file), 0 on the scheduler
+    # A store that outlives this engine (Mooncake, the disk tier): each request's keys are bound
+    # to its LoRA adapter's and multimodal items' content too (kvstride.vllm.bindings)
+    binds_requests: bool = False
+    trust_client_mm_uuids: bool = False  # kv_connector_extra_config's: vLLM's item identifiers as they are
+    # The planners of every rank for one request binding (None: the engine's own, rank_planners)
+    planners_for: Optional[Callable[[Optional[str]], List[kvstride.KeyPlanner]]] = field(default=None, repr=False)
 
 
 def check_admission(value) -> str:
@@ -288,6 +361,10 @@ def resolve_config(vllm_config, kv_cache_config, worker: bool) -> ConnectorConfi
     """The connector's configuration for one side (``worker``: this process holds KV tensors)."""
     extra = dict(vllm_config.kv_transfer_config.kv_connector_extra_config or {})
     check_known_keys(extra)
+    check_failure_policy(vllm_config, extra)
+    trust_mm = extra.get("trust_client_mm_uuids", False)
+    if not isinstance(trust_mm, bool):
+        raise ValueError(f"kv_connector_extra_config['trust_client_mm_uuids']={trust_mm!r}: give true or false")
     # The deployment key (issue 17): keyed store keys and, on Mooncake, a MAC on every value.
     # A missing, unreadable, group/other-readable or weak file is a ValueError naming it.
     secret_file = extra.get("secret_file")
@@ -314,16 +391,20 @@ def resolve_config(vllm_config, kv_cache_config, worker: bool) -> ConnectorConfi
     # Only a store other engines share, or a disk tier that outlives this engine, can meet
     # other weights (the arena alone lives and dies with its engine).
     shared = store.kind == "mooncake" or store.disk is not None or "model_identity" in extra
+    _check_hf_overrides(vllm_config, extra, shared)
     identity = model_identity(vllm_config, extra) if shared and not worker else None
     key_fingerprint = fp if identity is None else kvstride.layout_fingerprint({"config": fp, "model": identity})
     tp_size = store.keyed_ranks
     tp_rank = _tp_rank(pc, tp_size) if worker and tp_size > 1 else 0
 
-    def planner_of(rank: int) -> kvstride.KeyPlanner:
+    def planner_of(rank: int, binding: Optional[str] = None) -> kvstride.KeyPlanner:
+        fingerprint = key_fingerprint
+        if binding is not None:  # a request's own content (kvstride.vllm.bindings): its own keys
+            fingerprint = kvstride.layout_fingerprint({"engine": key_fingerprint, "request": binding})
         namespace = kvstride.Namespace(
             str(extra.get("model_id") or vllm_config.model_config.model),
             cache_prefix=extra.get("cache_prefix"),
-            fingerprint=key_fingerprint,
+            fingerprint=fingerprint,
             tp_rank=rank,
         )
         return kvstride.KeyPlanner(
@@ -348,4 +429,6 @@ def resolve_config(vllm_config, kv_cache_config, worker: bool) -> ConnectorConfi
         retention_interval=None if retention is None else int(retention), lookup_batch=max(1, int(max_num_seqs)),
         model_identity=identity,
         worker_rank=_tp_rank(pc, max(1, int(getattr(pc, "tensor_parallel_size", 1) or 1))) if worker else 0,
+        binds_requests=shared, trust_client_mm_uuids=trust_mm,
+        planners_for=lambda binding: [planner_of(rank, binding) for rank in range(tp_size)],
     )

@@ -62,9 +62,12 @@ class Lookups:
     """Standing hits of waiting requests, found keys for their saves, and this engine's writes."""
 
     def __init__(self, engine, planner, placement, batch_requests: int,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic,
+                 planner_of: Optional[Callable[[object], object]] = None) -> None:
         self.engine = engine  # OffloadEngine: asks the store, the core computes the hit
         self.planner = planner
+        # A request's own planner (kvstride.vllm.bindings), None for one never looked up
+        self.planner_of = planner_of or (lambda request: planner)
         self.placement = placement
         self.batch_requests = max(1, int(batch_requests))
         self.clock = clock
@@ -87,7 +90,10 @@ class Lookups:
                 if self._last_write > answer.merged:
                     self._merge_written(rid, request, answer)
                 return answer.hit
-        batch = {rid: request}
+        planner = self.planner_of(request)
+        if planner is None:  # its keys cannot be bound to its content: never looked up
+            return 0
+        batch = {rid: (request, planner)}
         if not self.placement.knows_contents:
             tokens = 0
             for other, r in waiting.items():
@@ -95,16 +101,19 @@ class Lookups:
                     break
                 if other in batch or skip(other) or (other in self._standing and self._stands(self._answers[other])):
                     continue
+                other_planner = self.planner_of(r)
+                if other_planner is None:
+                    continue
                 tokens += int(r.num_tokens)
                 if tokens > LOOKUP_BATCH_TOKENS:
                     break
-                batch[other] = r
+                batch[other] = (r, other_planner)
         version = getattr(self.placement, "version", None) if self.placement.knows_contents else None
         bitmaps: Dict[str, List[bool]] = {}
-        requests = [(other, list(r.block_hashes), int(r.num_tokens)) for other, r in batch.items()]
+        requests = [(other, list(r.block_hashes), int(r.num_tokens), p) for other, (r, p) in batch.items()]
         hits = self.engine.lookup(requests, bitmaps)
         now = self.clock()
-        for other, hashes, num_tokens in requests:
+        for other, hashes, num_tokens, _ in requests:
             bitmap = bitmaps.get(other)
             if bitmap is None:  # the store did not answer: nothing stands
                 self._standing.discard(other)
@@ -123,7 +132,8 @@ class Lookups:
     def _merge_written(self, rid: str, request, answer: _Answer) -> None:
         """Keys this engine wrote since ``answer`` are in the store: its hit grows without a call."""
         hashes = list(request.block_hashes)[: answer.num_hashes]
-        keys = self.planner.lookup_keys(hashes, answer.num_tokens)
+        planner = self.planner_of(request)
+        keys = planner.lookup_keys(hashes, answer.num_tokens)
         bitmap = np.unpackbits(answer.bits, count=answer.count).astype(bool)
         written, since = self._written, answer.merged
         fresh = np.fromiter((written.get(k, -1) > since for k in keys), dtype=bool, count=len(keys))
@@ -132,7 +142,7 @@ class Lookups:
             return
         bitmap |= fresh
         answer.bits = np.packbits(bitmap)
-        answer.hit = self.planner.longest_hit_bitmap(hashes, answer.num_tokens, bitmap.tolist())
+        answer.hit = planner.longest_hit_bitmap(hashes, answer.num_tokens, bitmap.tolist())
         self._found.pop(rid, None)
 
     def allocated(self, rid: str) -> None:
@@ -166,7 +176,7 @@ class Lookups:
         found = self._found.get(rid)
         if found is None:
             hashes = list(request.block_hashes)[: answer.num_hashes]
-            keys = self.planner.lookup_keys(hashes, answer.num_tokens)
+            keys = self.planner_of(request).lookup_keys(hashes, answer.num_tokens)
             bitmap = np.unpackbits(answer.bits, count=answer.count)
             found = self._found[rid] = {k for k, b in zip(keys, bitmap) if b}
         return found

@@ -19,6 +19,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 from kvstride.capacity import Ghost, prefill_per_byte
 from kvstride.engine import LoadRequest, OffloadEngine, SaveRequest
+from kvstride.vllm.bindings import RequestBindings
 from kvstride.vllm.config import ConnectorConfig
 from kvstride.vllm.lookups import Lookups
 from kvstride.vllm.metadata import KVStrideMetadata, KVStrideWorkerMetadata
@@ -93,7 +94,13 @@ class SchedulerSide(Outcomes):
         self._step = 0  # scheduler steps (build_connector_meta calls)
         self._requests: Dict[str, Any] = {}  # req id -> vLLM's Request, while it runs
         self._waiting: Dict[str, Any] = {}  # requests not allocated yet, in arrival order
-        self.lookups = Lookups(self.engine, self.planner, placement, config.lookup_batch)
+        # Each request's planners: its keys bound to its adapter's and multimodal items' content
+        self.bindings = RequestBindings(config, self.count)
+        self.lookups = Lookups(self.engine, self.planner, placement, config.lookup_batch,
+                               planner_of=self._lookup_planner)
+        # TP ranks whose worker disabled its store (KVStrideWorkerMetadata.store_disabled):
+        # while any is, no hit is claimed and nothing is saved (every load and save would fail)
+        self._disabled_ranks: set = set()
         self._local: Dict[str, int] = {}
         self._pending_loads: Dict[str, LoadRequest] = {}
         self._loading: set = set()  # req ids whose asynchronous load is in flight
@@ -114,6 +121,11 @@ class SchedulerSide(Outcomes):
     def shutdown(self) -> None:
         self._shut_engine()
 
+    def _lookup_planner(self, request):
+        """The planner a request's lookup keys come from (rank 0's; None: never looked up)."""
+        planners = self.bindings.of(request)
+        return None if planners is None else planners[0]
+
     def reset_cache(self) -> Optional[bool]:
         """``reset_prefix_cache(reset_connector=True)``: the embedded store forgets every block
         (False while a load or a save is in flight; vLLM's caller may try again); a Mooncake
@@ -124,6 +136,9 @@ class SchedulerSide(Outcomes):
         try:
             rid = request.request_id
             if self.engine is None or rid in self._recompute:
+                return 0, False
+            if self._disabled_ranks:  # a load would fail on those ranks: a miss, not a failure
+                self.count("lookups_store_disabled")
                 return 0, False
             hit = self.lookups.hit(request, self._waiting, self._recompute.__contains__)
             ext = max(0, int(hit) - int(num_computed_tokens))
@@ -158,6 +173,8 @@ class SchedulerSide(Outcomes):
     def update_connector_output(self, connector_output) -> None:
         try:
             meta = getattr(connector_output, "kv_connector_worker_meta", None)
+            if isinstance(meta, KVStrideWorkerMetadata) and meta.store_disabled:
+                self._store_states(meta.store_disabled)
             if isinstance(meta, KVStrideWorkerMetadata) and meta.disk_late:  # before the loads they failed
                 self.placement.disk_reads_late(meta.disk_late)
             self._loads_reported(connector_output.finished_recving, connector_output.failed_recving)
@@ -174,9 +191,23 @@ class SchedulerSide(Outcomes):
             self._log_once("connector-output", "kvstride update_connector_output failed: %r", err)
             self.count("scheduler_errors")
 
+    def _store_states(self, disabled: Dict[int, bool]) -> None:
+        """Workers' stores disabled or back (each rank reports a change once)."""
+        for rank, off in disabled.items():
+            if off and rank not in self._disabled_ranks:
+                log.warning("kvstride: the store of TP rank %s is disabled: no hit is claimed and nothing is saved "
+                            "until it is back", rank)
+            elif not off and rank in self._disabled_ranks:
+                log.warning("kvstride: the store of TP rank %s is back", rank)
+            (self._disabled_ranks.add if off else self._disabled_ranks.discard)(int(rank))
+
     def on_new_request(self, request) -> None:
         self._requests[request.request_id] = request
         self._waiting[request.request_id] = request
+        try:  # its content is read now: vLLM may drop its multimodal data once scheduled
+            self.bindings.bind(request)
+        except Exception as err:  # never into vLLM: bound when first looked up, else not offloaded
+            self._log_once("bind", "kvstride: a request's adapter or multimodal content could not be read: %r", err)
 
     def build_connector_meta(self, scheduler_output) -> KVStrideMetadata:
         """The step's plans: every load and save of both stores is planned here, from the
@@ -201,7 +232,7 @@ class SchedulerSide(Outcomes):
             meta.allocated = sorted(set(meta.allocated).union(load_blocks(meta.loads)))
         try:
             saves = self._build_saves(scheduler_output, meta)
-            if saves:
+            if saves and not self._disabled_ranks:
                 self._plan_saves(saves, meta)
         except Exception as err:  # saves are best effort; loads must go out
             log.warning("kvstride: this step's saves were skipped: %r", err)
@@ -212,6 +243,7 @@ class SchedulerSide(Outcomes):
         for rid in meta.finished_tails:  # their tails are planned: their ranks and offsets go
             self._stamps.pop(rid, None)
             self._worths.pop(rid, None)
+            self.bindings.forget(rid)
             self.engine.finish_request(rid)
         if self._disk_tier:
             meta.disk_writes = self.placement.take_disk_writes()
@@ -226,9 +258,12 @@ class SchedulerSide(Outcomes):
         workers, and vLLM recomputes it."""
         rid = load.req_id
         try:
+            planners = self.bindings.of_id(rid)
+            if planners is None:
+                raise RuntimeError("a load of a request whose keys are bound to nothing")
             plans = [
                 planner.plan_load(load.block_hashes, load.block_ids, load.hit_tokens, local_tokens=load.local_tokens)
-                for planner in self.rank_planners
+                for planner in planners
             ]
             missing = next((plan for plan in plans if plan.missing), None)
             if missing is not None:
@@ -282,19 +317,31 @@ class SchedulerSide(Outcomes):
         them (the arena gives each new key a slot)."""
         states = self.engine.request_states([save.req_id for save in saves])
         start = [state.planned for state in states]
-        per_rank, owners, failed, ends = [], {}, set(), []
+        per_rank = [[] for _ in self.rank_planners]
+        owners: Dict[str, List[str]] = {}
+        failed: set = set()
+        ends = [0] * len(saves)
         # Each key's depth, for a placement that evicts (the arena): deepest blocks first.
         depths: Optional[Dict[str, int]] = {} if self.placement.ranks_evictions else None
-        for planner in self.rank_planners:
-            for state, planned in zip(states, start):  # every rank plans from the same offsets
-                state.planned = planned
-            entries, rank_owners, ends, rank_failed = self.engine.plan_saves(
-                saves, states, _nothing_known, planner, depths
-            )
-            per_rank.append(entries)
-            failed |= rank_failed
-            for key, rids in rank_owners.items():
-                owners.setdefault(key, rids)
+        # The saves of requests bound alike are planned together, by their planners.
+        by_binding: Dict[int, Tuple[list, List[int]]] = {}
+        for i, save in enumerate(saves):
+            planners = self.bindings.of_id(save.req_id)
+            by_binding.setdefault(id(planners), (planners, []))[1].append(i)
+        for planners, at in by_binding.values():
+            group, group_states = [saves[i] for i in at], [states[i] for i in at]
+            for rank, planner in enumerate(planners):
+                for i in at:  # every rank plans from the same offsets
+                    states[i].planned = start[i]
+                entries, rank_owners, group_ends, rank_failed = self.engine.plan_saves(
+                    group, group_states, _nothing_known, planner, depths
+                )
+                per_rank[rank].extend(entries)
+                failed |= rank_failed
+                for key, rids in rank_owners.items():
+                    owners.setdefault(key, rids)
+            for i, end in zip(at, group_ends):
+                ends[i] = end
         per_rank = self._without_known(per_rank, owners)
         # Eviction order: a key goes with the newest request that wrote it (and the worthiest),
         # the deepest blocks of a request first.
@@ -403,6 +450,8 @@ class SchedulerSide(Outcomes):
             tables = block_state.get_block_ids(rid)
             if request is None or rid not in computed or tables is None or not request.block_hashes:
                 continue
+            if self.bindings.of(request) is None:  # its keys cannot cover its content
+                continue
             hashes = request.block_hashes  # planned in this call: the core reads only what the plan needs
             admitted = self._boundaries(request)
             by_boundary = handoffs.pop(rid, [])
@@ -416,7 +465,7 @@ class SchedulerSide(Outcomes):
         for rid, by_boundary in handoffs.items():
             request = self._requests.get(rid)
             tables = block_state.get_block_ids(rid)
-            if request is None or tables is None or not request.block_hashes:
+            if request is None or tables is None or not request.block_hashes or self.bindings.of(request) is None:
                 continue
             hashes = request.block_hashes  # planned in this call: the core reads only what the plan needs
             admitted = self._boundaries(request)
@@ -496,7 +545,7 @@ class SchedulerSide(Outcomes):
         try:
             rid = request.request_id
             hashes = list(request.block_hashes)
-            if rid not in self._requests or not partial_tail_offloads or not hashes:
+            if rid not in self._requests or not partial_tail_offloads or not hashes or self.bindings.of(request) is None:
                 return False
             tables = [list(ids) for ids in block_ids]
             self._finished_tails[rid] = (hashes, tables, list(partial_tail_offloads), self._admitted.get(rid))
@@ -520,6 +569,7 @@ class SchedulerSide(Outcomes):
         if rid not in self._finished_tails:
             self._stamps.pop(rid, None)
             self._worths.pop(rid, None)
+            self.bindings.forget(rid)
             self.engine.finish_request(rid)
         self.lookups.forget(rid)
         if self._pending_loads.pop(rid, None) is not None:  # never sent: nothing writes them

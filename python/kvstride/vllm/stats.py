@@ -47,11 +47,14 @@ COUNTED = {
     "puts_skipped_present": "put_skipped_present",
     "saves_deferred": "saves_deferred",
 }
-#: The same for the embedded store's disk tier: in the log line only when it moved something.
-DISK_COUNTED = {
+#: The same for what moves only with the embedded store's disk tier, or when something is off:
+#: in the log line only when it moved.
+SHOWN_WHEN_MOVED = {
     "loads_from_disk": "loads_from_disk",
     "disk_bytes_written": "disk_bytes_written",
     "disk_bytes_read": "disk_bytes_read",
+    "lookups_store_disabled": "lookups_store_disabled",
+    "requests_unbound": "requests_unbound",
 }
 #: Stats name -> the engine operation whose total seconds it is the delta of (store calls).
 TIMED = {"load_seconds": "get", "save_seconds": "put"}
@@ -61,7 +64,7 @@ SUCCESSES = frozenset({"get_ok", "put_ok", "put_skipped_present"})
 FAILURE_COUNTERS = frozenset(
     {"loads_failed", "loads_timed_out", "lookup_timeouts", "saves_failed", "load_job_errors", "save_job_errors",
      "lookup_errors", "mac_rejected", "disk_write_errors", "disk_read_errors", "disk_records_rejected",
-     "disk_loads_failed", "disk_reads_timed_out", "saves_cancelled_by_fence"}
+     "disk_loads_failed", "disk_reads_timed_out", "saves_cancelled_by_fence", "store_disabled"}
 )
 FAILED = "failed:"
 
@@ -94,7 +97,7 @@ class KVStrideStats(KVConnectorStats):
         """Every counted name (0 included, for a stable log line), the disk tier's when it
         moved bytes, the hit rate, seconds rounded to ms, then the failures that occurred."""
         summary: Dict[str, int | float] = {name: self.data.get(name, 0) for name in COUNTED}
-        summary.update((name, self.data[name]) for name in DISK_COUNTED if self.data.get(name))
+        summary.update((name, self.data[name]) for name in SHOWN_WHEN_MOVED if self.data.get(name))
         if summary["lookup_tokens"]:
             summary["lookup_hit_rate"] = round(summary["lookup_hit_tokens"] / summary["lookup_tokens"], 3)
         summary.update((name, round(self.data.get(name, 0.0), 3)) for name in TIMED)
@@ -112,7 +115,7 @@ def stats_delta(
     ``last`` (updated to the current ones); None when nothing did."""
     # Snapshots in one C call each: the engine's lanes keep counting on other threads.
     counters, seconds = dict(counters), dict(seconds)
-    totals: Dict[str, int | float] = {name: counters.get(counter, 0) for name, counter in {**COUNTED, **DISK_COUNTED}.items()}
+    totals: Dict[str, int | float] = {name: counters.get(counter, 0) for name, counter in {**COUNTED, **SHOWN_WHEN_MOVED}.items()}
     totals.update((name, seconds.get(operation, 0.0)) for name, operation in TIMED.items())
     totals.update((FAILED + counter, n) for counter, n in counters.items() if _is_failure(counter))
     data: Dict[str, int | float] = {}
@@ -145,6 +148,14 @@ SERIES = {
     "saves_deferred": (
         "vllm:kvstride_saves_deferred",
         "Request saves left to the request's next step because the store stalled with the staging pool full.",
+    ),
+    "lookups_store_disabled": (
+        "vllm:kvstride_lookups_store_disabled",
+        "Requests not looked up (a miss) because a worker's store was disabled.",
+    ),
+    "requests_unbound": (
+        "vllm:kvstride_requests_unbound",
+        "Requests neither loaded nor stored: their LoRA adapter or multimodal content could not be read.",
     ),
     "loads_from_disk": ("vllm:kvstride_loads_from_disk", "Loads that read some blocks from the disk tier."),
     "disk_bytes_written": ("vllm:kvstride_disk_bytes_written", "Bytes written to the disk tier's records."),

@@ -40,6 +40,11 @@ __all__ = ["WorkerSide"]
 
 log = logging.getLogger("kvstride.vllm")
 
+#: Seconds between a disabled store's tries to take the staging buffer again (each from a step
+#: of this worker: a store the master refused, or one whose master was down at registration).
+STORE_RETRY_S = 30.0
+
+
 def fenced_groups(groups, kv_cache_config) -> frozenset:
     """The groups whose saves' reads the step's stream need not wait for at once: those whose
     blocks vLLM writes again only once it allocated them anew, after ``handle_preemptions``
@@ -59,6 +64,7 @@ class WorkerSide(Outcomes):
         super().__init__()
         self.planner = config.planner
         self.tp_rank = config.tp_rank  # which of each plan's per-rank lists is this worker's
+        self._rank = config.worker_rank  # this worker's TP rank, in its store-state reports
         self.store = store  # the Mooncake client, or the arena's slots (kvstride.arena.ArenaSlots)
         self._extra = config.extra
         self._save_wait_s = config.save_wait_s
@@ -85,6 +91,10 @@ class WorkerSide(Outcomes):
         self._disk_reports: Dict[int, List[int]] = {}
         self._disk_corrupt: List[int] = []
         self._disk_late: Dict[str, List[int]] = {}
+        self._layout: Optional[KVLayout] = None  # once the KV caches are registered
+        self._store_disabled = False  # the store refused this worker: every request recomputes
+        self._store_retry_at = 0.0
+        self._store_reports: Dict[int, bool] = {}  # a change of the store's state, for the scheduler
 
     def shutdown(self) -> None:
         """Stop the lanes, waiting for what runs (the staging pool's registration ends with
@@ -96,17 +106,43 @@ class WorkerSide(Outcomes):
         layout = KVLayout(kv_caches, [list(g.layer_names) for g in cfg.kv_cache_groups], num_blocks=int(cfg.num_blocks))
         if hasattr(self.store, "bind_geometry"):  # a shared store: values of another memory layout are misses
             self.store.bind_geometry(layout.fingerprint())
+        self._layout = layout
+        self._start_engine()
+
+    def _start_engine(self) -> None:
+        """The engine over the registered KV caches; a store that refuses it (its master down,
+        the staging buffer refused) is disabled: the scheduler learns it from this worker's
+        next report and claims no hit until a later try (``STORE_RETRY_S``) brings it back."""
         step_tokens = int(self._vllm_config.scheduler_config.max_num_batched_tokens)
         try:
-            transfer = engine_transfer(self.store, layout, self._extra, step_tokens, self.planner)
+            transfer = engine_transfer(self.store, self._layout, self._extra, step_tokens, self.planner)
         except RuntimeError as err:  # the store is unusable: no engine, every request recomputes
-            log.error("kvstride: the store is disabled on this worker, every request recomputes: %s", err)
+            self._store_retry_at = time.monotonic() + STORE_RETRY_S
+            if not self._store_disabled:
+                log.error("kvstride: the store is disabled on this worker, every request recomputes until it is "
+                          "back (tried again every %g s): %s", STORE_RETRY_S, err)
+                self._store_disabled = True
+                self._store_reports[self._rank] = True
+                self.count("store_disabled")
             return
         self.engine = OffloadEngine(
             self.planner, transfer, self.store, name="kvstride-worker", save_wait_s=self._save_wait_s,
             staging_wait_s=self._staging_wait_s,
             put_linger_s=self._put_linger_s, load_timeout_s=self._load_timeout_s,
         )
+        if self._store_disabled:
+            log.warning("kvstride: the store is back on this worker")
+            self._store_disabled = False
+            self._store_reports[self._rank] = False
+
+    def _retry_store(self) -> None:
+        """Take the staging buffer again once the store answers its health check (a pool is
+        allocated and touched only then, never on every try)."""
+        health = getattr(self.store, "health", None)
+        if health is not None and health() != 0:
+            self._store_retry_at = time.monotonic() + STORE_RETRY_S
+            return
+        self._start_engine()
 
     def start_load_kv(self, meta: Optional[KVStrideMetadata]) -> None:
         """Hand this step's loads to the load lane and return: vLLM keeps their requests
@@ -251,6 +287,8 @@ class WorkerSide(Outcomes):
             if isinstance(meta, KVStrideMetadata):
                 self._run_saves(meta)
             self._finished_seen.update(finished_req_ids or ())
+            if self._store_disabled and self.engine is None and time.monotonic() >= self._store_retry_at:
+                self._retry_store()
             self._take_disk()
             if self.engine is not None:
                 got = self.engine.get_finished()
@@ -273,11 +311,13 @@ class WorkerSide(Outcomes):
         return results
 
     def build_connector_worker_meta(self) -> Optional[KVStrideWorkerMetadata]:
-        if not (self._job_reports or self._corrupt or self._disk_reports or self._disk_corrupt or self._disk_late):
+        if not (self._job_reports or self._corrupt or self._disk_reports or self._disk_corrupt or self._disk_late
+                or self._store_reports):
             return None
         reports, self._job_reports = self._job_reports, {}
         corrupt, self._corrupt = self._corrupt, []
         disk, self._disk_reports = self._disk_reports, {}
         disk_corrupt, self._disk_corrupt = self._disk_corrupt, []
         disk_late, self._disk_late = self._disk_late, {}
-        return KVStrideWorkerMetadata(reports, corrupt, disk, disk_corrupt, disk_late)
+        store_states, self._store_reports = self._store_reports, {}
+        return KVStrideWorkerMetadata(reports, corrupt, disk, disk_corrupt, disk_late, store_states)
