@@ -40,19 +40,23 @@ def llama_dir(tmp_path_factory):
     return harness.llama(tmp_path_factory.mktemp("identity") / "llama")
 
 
-def vllm_config(path, extra=None, *, tp=1, algo="sha256_cbor", load_format="safetensors", **model):
+def vllm_config(path, extra=None, *, tp=1, algo="sha256_cbor", load_format="safetensors", cache=None,
+                policy="recompute", scheduler=None, **model):
+    """vLLM's config as the connector reads it (``cache``: more cache settings; ``scheduler``:
+    the scheduler's)."""
     model = dict(dict(model=str(path), revision=None, quantization=None, hf_overrides={}, dtype=torch.bfloat16), **model)
     model_config = types.SimpleNamespace(**model, get_total_num_kv_heads=lambda: 2)
     return types.SimpleNamespace(
         model_config=model_config,
-        cache_config=types.SimpleNamespace(
-            cache_dtype=model.get("cache_dtype", "auto"), calculate_kv_scales=False, prefix_caching_hash_algo=algo,
-            mamba_cache_mode="none", prefix_cache_retention_interval=0,
-        ),
+        cache_config=types.SimpleNamespace(**dict(
+            dict(cache_dtype=model.get("cache_dtype", "auto"), calculate_kv_scales=False, prefix_caching_hash_algo=algo,
+                 mamba_cache_mode="none", prefix_cache_retention_interval=0),
+            **(cache or {}))),
         load_config=types.SimpleNamespace(load_format=load_format, download_dir=None),
         parallel_config=types.SimpleNamespace(tensor_parallel_size=tp, world_size=tp, rank=0),
-        scheduler_config=types.SimpleNamespace(max_num_seqs=4),
-        kv_transfer_config=types.SimpleNamespace(kv_connector_extra_config=dict(extra or {"store": "mooncake"})),
+        scheduler_config=types.SimpleNamespace(**dict(dict(max_num_seqs=4, max_num_batched_tokens=64), **(scheduler or {}))),
+        kv_transfer_config=types.SimpleNamespace(kv_connector_extra_config=dict(extra or {"store": "mooncake"}),
+                                                 kv_load_failure_policy=policy),
     )
 
 
@@ -89,6 +93,97 @@ def test_keys_change_with_everything_that_changes_the_kv_bytes(llama_dir, tmp_pa
     for name, got in variants.items():
         assert got != base, name
         assert len(set(got) & set(base)) == 0, name
+
+
+def test_keys_change_with_the_vllm_version_the_model_code_and_every_byte_cache_flag(llama_dir, tmp_path, monkeypatch):
+    """The vLLM release (kernels and layouts change between them), the model code a
+    ``trust_remote_code`` checkpoint runs (its ``*.py`` files, at any depth), and each cache
+    setting that changes a block's bytes: each its own keys."""
+    import vllm
+
+    from kvstride.vllm.config import BYTE_CACHE_FLAGS
+
+    base = keys(vllm_config(llama_dir))
+    variants = {}
+    monkeypatch.setattr(vllm, "__version__", vllm.__version__ + ".post9")
+    variants["vllm version"] = keys(vllm_config(llama_dir))
+    monkeypatch.undo()
+    assert keys(vllm_config(llama_dir)) == base
+    coded = shutil.copytree(llama_dir, tmp_path / "remote")
+    (coded / "modeling_tiny.py").write_text("SCALE = 1.0\n")
+    (coded / "layers").mkdir()
+    (coded / "layers" / "attention.py").write_text("ROPE = 'default'\n")
+    first = keys(vllm_config(coded, trust_remote_code=True))
+    assert first == keys(vllm_config(coded, trust_remote_code=True)) != keys(vllm_config(coded))
+    (coded / "modeling_tiny.py").write_text("SCALE = 2.0\n")
+    variants["model code"] = keys(vllm_config(coded, trust_remote_code=True))
+    (coded / "modeling_tiny.py").write_text("SCALE = 1.0\n")
+    (coded / "layers" / "attention.py").write_text("ROPE = 'yarn'\n")
+    variants["nested model code"] = keys(vllm_config(coded, trust_remote_code=True))
+    assert variants["model code"] != first and variants["nested model code"] != first
+    changed = {
+        "cache_dtype": "fp8", "calculate_kv_scales": True, "kv_cache_dtype_skip_layers": ["0"],
+        "mamba_cache_dtype": "float32", "mamba_ssm_cache_dtype": "float32", "mamba_cache_mode": "align",
+        "mamba_block_size": 64, "use_replayssm": True, "replayssm_buffer_len": 32, "swa_bounded_replay": False,
+        "kv_sharing_fast_prefill": True,
+    }
+    assert set(changed) == set(BYTE_CACHE_FLAGS)
+    for flag, value in changed.items():
+        variants[flag] = keys(vllm_config(llama_dir, cache={flag: value}))
+    for name, got in variants.items():
+        assert len(set(got) & set(base)) == 0, name
+
+
+def test_settings_that_change_no_byte_keep_the_keys(llama_dir):
+    """Scheduling, memory, ports and logging settings leave every key as it is."""
+    base = keys(vllm_config(llama_dir))
+    assert keys(vllm_config(llama_dir, scheduler={"max_num_seqs": 64, "max_num_batched_tokens": 8192})) == base
+    assert keys(vllm_config(llama_dir, cache={"gpu_memory_utilization": 0.5, "enable_prefix_caching": True,
+                                              "enable_mamba_shared_prefix_checkpoint": True})) == base
+    config = vllm_config(llama_dir)
+    config.parallel_config.data_parallel_master_port = 29555
+    config.observability_config = types.SimpleNamespace(log_level="debug", otlp_traces_endpoint="http://127.0.0.1:4317")
+    assert keys(config) == base
+
+
+def _rope_override(config):
+    config.rope_theta = 20000.0
+    return config
+
+
+def test_a_callable_hf_overrides_is_refused_on_a_shared_store_unless_model_identity_names_it(llama_dir):
+    """A callable's effect cannot be read (and its repr changed in every process: no hit
+    ever): refused on a shared store with a ValueError naming ``model_identity``; with it, the
+    same keys in every process. The arena alone lives with its engine: accepted."""
+    with pytest.raises(ValueError, match="model_identity"):
+        keys(vllm_config(llama_dir, hf_overrides=_rope_override))
+    named = {"store": "mooncake", "model_identity": "rope-20k"}
+    got = keys(vllm_config(llama_dir, named, hf_overrides=_rope_override))
+    assert got == keys(vllm_config(llama_dir, named, hf_overrides=_rope_override))
+    assert identity.plain(_rope_override) == "callable:test_vllm_identity._rope_override"
+    keys(vllm_config(llama_dir, {"store": "embedded"}, hf_overrides=_rope_override))
+
+
+def test_plain_is_the_same_in_every_process():
+    """Sets by their sorted members, functions by their qualified name (their repr holds an
+    address, a set's order follows the process's hash seed)."""
+    assert identity.plain({"b", "a", "c"}) == ["a", "b", "c"]
+    assert identity.plain({"layers": frozenset({2, 1})}) == {"layers": [1, 2]}
+    assert "0x" not in identity.plain(test_plain_is_the_same_in_every_process)
+
+
+@pytest.mark.parametrize("store", ["embedded", "mooncake"])
+def test_a_failing_load_policy_is_refused_naming_recompute(llama_dir, store):
+    """vLLM's default ``kv_load_failure_policy`` ("fail") turns every routine failed load (a
+    deadline, a value evicted since the lookup) into a failed request: refused at construction,
+    naming the fix, unless ``allow_failing_loads`` says the operator wants it."""
+    with pytest.raises(ValueError, match='"recompute"') as refused:
+        keys(vllm_config(llama_dir, {"store": store}, policy="fail"))
+    assert "allow_failing_loads" in str(refused.value)
+    keys(vllm_config(llama_dir, {"store": store, "allow_failing_loads": True}, policy="fail"))
+    keys(vllm_config(llama_dir, {"store": store}, policy="recompute"))
+    with pytest.raises(ValueError, match="allow_failing_loads"):
+        keys(vllm_config(llama_dir, {"store": store, "allow_failing_loads": "yes"}, policy="fail"))
 
 
 def test_model_identity_replaces_the_weights_digest(llama_dir, tmp_path, monkeypatch):
