@@ -254,9 +254,14 @@ ENGINE_SCRIPT = textwrap.dedent(
             else:  # each phase after a forced miss (a new engine: only its store can hit)
                 p1, p2 = harness.prompts()
                 out = {}
+                lora = None
+                if job.get("lora"):  # [name, id, path]: every phase's request runs that adapter
+                    from vllm.lora.request import LoRARequest
+
+                    lora = LoRARequest(*job["lora"])
                 for seed, phase in enumerate(job["phases"], 1):
                     harness.drain_and_forget(llm, seed)
-                    out[phase] = harness.generate(llm, {"p1": p1, "p2": p2, "repeat": p1}[phase])
+                    out[phase] = harness.generate(llm, {"p1": p1, "p2": p2, "repeat": p1}[phase], lora_request=lora)
                     after(phase)
                 harness.assert_idle(llm, idle)  # every block back, reset_prefix_cache() succeeds
             kvstride = {k: v for k, v in metric_sums(llm).items() if k.startswith("vllm:kvstride_")}
@@ -615,3 +620,37 @@ def test_mooncake_new_checkpoint_at_the_same_path(workdir, base_env, reference, 
     assert b["kvstride"].get("vllm:kvstride_failures", 0) == 0, b["kvstride"]
     assert _mismatches(_outputs(b["outputs"]), _outputs(plain["outputs"])) == []
     assert _mismatches(_outputs(plain["outputs"]), reference["llama"]) != [], "the fine-tune changed no output"
+
+
+@pytest.mark.parametrize("kind", ["mooncake", "disk"])
+def test_a_lora_adapter_retrained_at_the_same_name_and_path(workdir, base_env, store_serve, tmp_path_factory, kind):
+    """An adapter redeployed as operators ship them: engine A serves adapter v1 of
+    /adapters/sql and stores its KV (``kvstride store serve``, or the disk tier); a new engine
+    on v1's bytes hits it and matches a plain run of v1 (the control). v2, retrained, replaces
+    it at the same name and path (vLLM's block hashes are the same); engine B, a new process,
+    hits nothing, fails nothing and matches a plain run of v2 in tokens and logprobs, which
+    differs from v1's (had B loaded A's KV, it would show)."""
+    root = tmp_path_factory.mktemp(f"lora-{kind}")
+    base = harness.llama(root / "llama")
+    adapter = root / "adapters" / "sql"
+    harness.lora_adapter(adapter, base, version=1)
+    if kind == "mooncake":
+        connector = _store("mooncake", f"lora-{os.getpid()}")
+    else:
+        (root / "disk").mkdir()
+        connector = {"store": "embedded", "store_bytes": "8MiB", "disk_path": str(root / "disk"), "disk_bytes": "64MiB"}
+    env = _env(base_env, kind, store_serve, VLLM_ENABLE_V1_MULTIPROCESSING="0")
+    job = dict(model="llama", path=base, backend="uni", connector=connector, phases=["p1"],
+               lora=["sql", 1, str(adapter)], overrides=harness.LORA_ENGINE)
+    plain_v1, a, same = _run_engines(workdir, env, [dict(job, connector=None), job, job], f"lora-{kind}-v1")
+    assert a["hits"] == {"p1": 0}, a
+    assert same["hits"]["p1"] >= harness.SHARED_TOKENS, same
+    for run in (a, same):
+        assert run["kvstride"].get("vllm:kvstride_failures", 0) == 0, run["kvstride"]
+        assert _mismatches(_outputs(run["outputs"]), _outputs(plain_v1["outputs"])) == []
+    harness.lora_adapter(adapter, base, version=2)
+    b, plain_v2 = _run_engines(workdir, env, [job, dict(job, connector=None)], f"lora-{kind}-v2")
+    assert b["hits"] == {"p1": 0}, b
+    assert b["kvstride"].get("vllm:kvstride_failures", 0) == 0, b["kvstride"]
+    assert _mismatches(_outputs(b["outputs"]), _outputs(plain_v2["outputs"])) == []
+    assert _mismatches(_outputs(plain_v2["outputs"]), _outputs(plain_v1["outputs"])) != [], "v2 changed no output"

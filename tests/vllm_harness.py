@@ -156,6 +156,31 @@ def nemotron_h_swa(path: Path) -> str:
     return _write_model(path, cfg, tweak=_slow_decay, extra_config={"hybrid_override_pattern": "M*M-"})
 
 
+#: LoRA settings of an engine that serves :func:`lora_adapter` s (``engine_kwargs`` overrides).
+LORA_ENGINE = dict(enable_lora=True, max_lora_rank=8, max_loras=1)
+
+
+def lora_adapter(folder: Path, base: str, version: int) -> str:
+    """A PEFT LoRA adapter of :func:`llama` on q/k/v at rank 8, written over ``folder``:
+    ``version`` decides its weights (a retrained adapter is another version, the same config)."""
+    from safetensors.torch import save_file
+
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "adapter_config.json").write_text(json.dumps({
+        "r": 8, "lora_alpha": 16, "target_modules": ["q_proj", "k_proj", "v_proj"], "peft_type": "LORA",
+        "bias": "none", "task_type": "CAUSAL_LM", "base_model_name_or_path": base,
+    }))
+    generator = torch.Generator().manual_seed(1000 + version)
+    tensors = {}
+    for layer in range(2):
+        for module in ("q_proj", "k_proj", "v_proj"):
+            prefix = f"base_model.model.model.layers.{layer}.self_attn.{module}"
+            tensors[prefix + ".lora_A.weight"] = torch.randn(8, _COMMON["hidden_size"], generator=generator) * 0.5
+            tensors[prefix + ".lora_B.weight"] = torch.randn(64, 8, generator=generator) * 0.5
+    save_file(tensors, str(folder / "adapter_model.safetensors"))
+    return str(folder)
+
+
 @dataclass(frozen=True)
 class Model:
     name: str
@@ -290,11 +315,12 @@ def sampling(max_tokens: int = MAX_TOKENS):
     return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, detokenize=False, logprobs=0)
 
 
-def generate(llm, prompt: Sequence[int], max_tokens: int = MAX_TOKENS) -> Output:
+def generate(llm, prompt: Sequence[int], max_tokens: int = MAX_TOKENS, lora_request=None) -> Output:
     from vllm.inputs import TokensPrompt
 
     sp = sampling(max_tokens)
-    out = llm.generate([TokensPrompt(prompt_token_ids=list(prompt))], sp, use_tqdm=False)[0].outputs[0]
+    out = llm.generate([TokensPrompt(prompt_token_ids=list(prompt))], sp, use_tqdm=False,
+                       lora_request=lora_request)[0].outputs[0]
     tokens = list(out.token_ids)
     logprobs = [float(step[tok].logprob) for step, tok in zip(out.logprobs, tokens)]
     return Output(tokens, logprobs)
