@@ -21,7 +21,7 @@ status=0
 { nvidia-smi --query-gpu=name,driver_version,pcie.link.gen.max,pcie.link.width.max --format=csv; nproc
   python3 -c 'import torch, triton; print("torch", torch.__version__, "cuda", torch.version.cuda, "triton", triton.__version__)'
   ls "$wheels"; } 2>&1 | tee "$out/machine.txt"
-timeout 300 python3 -m pytest -q -p no:cacheprovider tests/test_arena_device.py tests/test_transfer.py tests/test_layout.py \
+timeout 300 python3 -m pytest -q -p no:cacheprovider tests/test_arena_device.py tests/test_transfer.py tests/test_layout.py tests/test_host_memory.py \
     2>&1 | tee "$out/tests.txt"
 [ "${PIPESTATUS[0]}" = 0 ] || status=1
 timeout 300 python3 benches/gpu_engine.py --staged none "$@" 2>&1 | tee "$out/gpu_engine.txt"

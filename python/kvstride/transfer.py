@@ -46,6 +46,7 @@ import torch
 from .arena import device_xxh3
 from .arena.device import CHUNK_BYTES, BlockKernels, chunk_sizes, on_side_stream, recorded, to_host, used_on
 from .copies import PieceTable
+from .host_memory import host_buffer
 from .layout import KVLayout
 from .stores.base import HEADER_BYTES, _with_header_room
 
@@ -103,8 +104,9 @@ class StagingPool:
             "save": (0, boundary),
             "load": (boundary, self.capacity) if self.load_bytes else (0, self.capacity),
         }
-        self.tensor = torch.empty(self.capacity, dtype=torch.uint8, pin_memory=bool(pin))
-        self.tensor.zero_()  # touched once here: the first loads and saves take no page faults
+        # Exactly its size, touched once (the first copies take no page faults), pinned for the
+        # device's copies (kvstride.host_memory: not PyTorch's power-of-two pinned allocator).
+        self.tensor = host_buffer(self.capacity, pin=bool(pin), what="the staging pool")
         self.pinned = bool(pin)
         self.ptr = self.tensor.data_ptr()
         self._free = [(0, self.capacity)]  # sorted, coalesced (offset, size)

@@ -13,6 +13,7 @@ gathers the caller fences before it writes their blocks again (``KVLayout.fence`
 
 from __future__ import annotations
 
+import mmap
 import threading
 from typing import Callable, List, Optional
 
@@ -24,6 +25,7 @@ from kvstride.arena.device import DeviceCopier, recorded
 from kvstride.arena.disk import DISK_ALIGN, DiskLane, DiskRecords, DiskSpec
 from kvstride.arena.index import ALIGN
 from kvstride.copies import PieceTable
+from kvstride.host_memory import host_buffer
 from kvstride.layout import KVLayout
 from kvstride.stores.base import Status
 
@@ -51,6 +53,7 @@ class HostArena:
         slot_bytes: Optional[int] = None,
         stored_groups=None,
         align: int = ALIGN,
+        pin: Optional[bool] = None,
     ) -> None:
         if layout is None and slot_bytes is None:
             raise ValueError("HostArena needs a layout or slot_bytes")
@@ -62,12 +65,16 @@ class HostArena:
         if self.slot_bytes <= 0:
             raise ValueError(f"slot_bytes must be positive, got {slot_bytes}")
         self.num_slots = int(num_slots)
-        pin = layout is not None and layout.on_cuda
+        if pin is None:
+            pin = layout is not None and layout.on_cuda
         nbytes = self.num_slots * self.slot_bytes
-        raw = torch.empty(nbytes + align - 1, dtype=torch.uint8, pin_memory=pin)
+        # Page-aligned, exactly its size (pinned for the device's copies on CUDA); an alignment
+        # past a page takes the slack.
+        slack = 0 if mmap.PAGESIZE % align == 0 else align - 1
+        raw = host_buffer(nbytes + slack, pin=pin, what="the embedded store's arena")
         start = (-raw.data_ptr()) % align
         self.buffer = raw[start : start + nbytes]
-        self.buffer.zero_()
+        self.pinned = bool(pin)
         self.ptr = self.buffer.data_ptr()
         self.digests = np.zeros(self.num_slots, dtype=np.uint64)
         self.lengths = np.zeros(self.num_slots, dtype=np.uint64)  # bytes of the value in each slot

@@ -27,7 +27,11 @@ Use it with::
   ``staging_wait_s`` (default 4): how long a step waits in all for Mooncake staging room;
 - ``admission``: ``"kvstride"`` (default) stores a window group's blocks only for the tails of
   boundaries a later lookup can hit at, under vLLM's ``prefix_cache_retention_interval``
-  (SEMANTICS §8); ``"dense"`` stores them all.
+  (SEMANTICS §8); ``"dense"`` stores them all;
+- ``trust_client_mm_uuids``: on a store that outlives the engine, key multimodal items by vLLM's
+  identifiers (a client's uuid included) rather than their content (``kvstride.vllm.bindings``);
+- ``allow_failing_loads``: accept ``kv_load_failure_policy="fail"`` (refused otherwise: every
+  load kvstride cannot complete would end its request with an error).
 
 The connector never derives a key or a boundary: vLLM's request block hashes and per-group
 block ids go to the core's planner (through :class:`kvstride.engine.OffloadEngine`).

@@ -55,6 +55,7 @@ SHOWN_WHEN_MOVED = {
     "disk_bytes_read": "disk_bytes_read",
     "lookups_store_disabled": "lookups_store_disabled",
     "requests_unbound": "requests_unbound",
+    "pinned_bytes": "pinned_bytes",
 }
 #: Stats name -> the engine operation whose total seconds it is the delta of (store calls).
 TIMED = {"load_seconds": "get", "save_seconds": "put"}
@@ -156,6 +157,10 @@ SERIES = {
     "requests_unbound": (
         "vllm:kvstride_requests_unbound",
         "Requests neither loaded nor stored: their LoRA adapter or multimodal content could not be read.",
+    ),
+    "pinned_bytes": (
+        "vllm:kvstride_pinned_bytes",
+        "Host memory page-locked for the device's copies (the arena's slots or the staging pool), every rank.",
     ),
     "loads_from_disk": ("vllm:kvstride_loads_from_disk", "Loads that read some blocks from the disk tier."),
     "disk_bytes_written": ("vllm:kvstride_disk_bytes_written", "Bytes written to the disk tier's records."),

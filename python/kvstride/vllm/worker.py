@@ -27,6 +27,7 @@ import time
 from typing import Dict, List, Optional, Tuple
 
 from kvstride.engine import OffloadEngine
+from kvstride.host_memory import pinned_bytes
 from kvstride.layout import KVLayout
 from kvstride.stores.placement import rank_entries
 from kvstride.vllm.config import ConnectorConfig
@@ -114,6 +115,7 @@ class WorkerSide(Outcomes):
         the staging buffer refused) is disabled: the scheduler learns it from this worker's
         next report and claims no hit until a later try (``STORE_RETRY_S``) brings it back."""
         step_tokens = int(self._vllm_config.scheduler_config.max_num_batched_tokens)
+        pinned_before = pinned_bytes()
         try:
             transfer = engine_transfer(self.store, self._layout, self._extra, step_tokens, self.planner)
         except RuntimeError as err:  # the store is unusable: no engine, every request recomputes
@@ -130,6 +132,8 @@ class WorkerSide(Outcomes):
             staging_wait_s=self._staging_wait_s,
             put_linger_s=self._put_linger_s, load_timeout_s=self._load_timeout_s,
         )
+        # The arena's slots or the staging pool, page-locked on CUDA (exactly their size).
+        self.count("pinned_bytes", pinned_bytes() - pinned_before)
         if self._store_disabled:
             log.warning("kvstride: the store is back on this worker")
             self._store_disabled = False
