@@ -529,6 +529,34 @@ def test_planned_saves_make_the_callers_stream_wait_only_for_the_groups_it_does_
     engine.shutdown()
 
 
+@pytest.mark.parametrize("failing", ["the step's blocks", "every read too"])
+def test_a_fence_that_fails_makes_the_step_wait_for_every_read(monkeypatch, failing):
+    """A fence that raises fails closed: the caller's stream waits for every save's reads
+    (counted, logged once); if that fails too, the host waits for the device. It never returns
+    with a read still pending on a block the step writes."""
+    engine, streams, launches, entries = _fenced_engine(monkeypatch, "staged")
+    engine.submit_planned(puts={7: entries}, fenced_groups=[0, 1])
+    assert engine.wait_idle(30)
+    reads, fence = engine.layout.pending_reads, engine.layout.pending_reads.fence
+    synchronized = []
+    monkeypatch.setattr(engine.layout, "synchronize", lambda: synchronized.append(True), raising=False)
+
+    def broken(block_ids, stream):
+        if block_ids is not None or failing == "every read too":
+            raise RuntimeError("a CUDA error from event.query()")
+        return fence(block_ids, stream)
+
+    monkeypatch.setattr(reads, "fence", broken)
+    engine.fence([9])
+    later = streams.launch("a kernel that rewrites block 9")
+    assert engine.counters["fence_errors"] == 1
+    if failing == "every read too":
+        assert synchronized == [True]
+    else:
+        assert synchronized == [] and all(streams.before(gather, later) for gather in launches["gather"])
+    engine.shutdown()
+
+
 def test_a_save_whose_blocks_are_fenced_before_the_launch_lane_reached_it_is_cancelled(monkeypatch):
     """A fence on blocks whose copies the launch lane has not started yet cancels them rather
     than waiting (on the host) for the lane: those saves fail, counted, and nothing reads the

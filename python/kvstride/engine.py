@@ -625,7 +625,19 @@ class OffloadEngine:
         it returns. Returns how many reads it waits for."""
         if self.layout is None:
             return 0
-        return self.layout.fence(None if block_ids is None else np.fromiter(block_ids, dtype=np.int64))
+        try:
+            return self.layout.fence(None if block_ids is None else np.fromiter(block_ids, dtype=np.int64))
+        except Exception as err:  # fails closed: what comes next may overwrite a block a save still reads
+            self.count("fence_errors")
+            self._log_once("fence", "a fence on the step's blocks failed, so the step waits for every save's "
+                           "reads: %r", err)
+        try:
+            return self.layout.fence(None)
+        except Exception as err:
+            self._log_once("fence-all", "a fence on every save's reads failed, so the host waits for the "
+                           "device: %r", err)
+            self.layout.synchronize()
+            return 0
 
     def _fence_unfenced(self, job: _SaveJob, entries: List[Tuple[str, int, int]]) -> None:
         """The caller's stream waits now for the reads of ``entries``' blocks that the caller

@@ -409,6 +409,12 @@ class KVLayout:
             return 0
         return self.pending_reads.fence(block_ids, torch.cuda.current_stream(self.device))
 
+    def synchronize(self) -> None:
+        """Wait on the host until every copy queued on the KV cache's device has run (a fence's
+        last resort); nothing on CPU."""
+        if self.on_cuda:
+            torch.cuda.synchronize(self.device)
+
     def describe(self) -> str:
         lines = []
         for g in self.groups:
