@@ -399,3 +399,98 @@ def test_a_file_system_without_direct_io_goes_through_the_page_cache(tmp_path, m
         assert slots.load_blocks([1], [0], [8]) == [Status.OK] and torch.equal(kv["attn"][8], want)
     finally:
         slots.close()
+
+
+# ---- a folder that is ours ------------------------------------------------------------------------
+
+
+def _records(folder, records=2):
+    """A rank's record file in ``folder`` over a small arena of its own."""
+    from kvstride.arena.disk import DiskRecords
+    from kvstride.arena.slots import HostArena
+
+    arena = HostArena(None, 2, slot_bytes=DISK_ALIGN, align=DISK_ALIGN)
+    payload, _ = record_bytes(arena.slot_bytes)
+    spec = DiskSpec(str(folder), num_records=records, payload_bytes=payload, rank=0, ranks=1, fingerprint=b"\1" * 8)
+    return DiskRecords(spec, arena, geometry=b"\2" * 8)
+
+
+OTHER_USER = 65534  # nobody
+
+
+@pytest.mark.parametrize("name", ["kvstride-rank0-of-1.records", "kvstride-index.sqlite3", "kvstride.lock",
+                                  "kvstride-index.sqlite3-wal"])
+def test_a_planted_symlink_is_refused_and_its_target_untouched(tmp_path, name):
+    """A link planted under one of the tier's names (to a file the engine's user may write) is
+    never followed: a ValueError names it, and the file it points to keeps its bytes."""
+    victim = tmp_path / "victim.conf"
+    victim.write_text("important=1\n")
+    folder = tmp_path / "tier"
+    folder.mkdir(mode=0o700)
+    os.symlink(victim, folder / name)
+    with pytest.raises(ValueError, match="symbolic link") as refused:
+        _records(folder).close() if name.endswith(".records") else _index(folder).close()
+    assert name in str(refused.value)
+    assert victim.read_text() == "important=1\n"
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="giving a file to another user needs root")
+@pytest.mark.parametrize("name", ["kvstride-rank0-of-1.records", "kvstride-index.sqlite3"])
+def test_a_file_another_user_created_is_refused(tmp_path, name):
+    folder = tmp_path / "tier"
+    folder.mkdir(mode=0o700)
+    (folder / name).write_bytes(b"")
+    os.chown(folder / name, OTHER_USER, OTHER_USER)
+    with pytest.raises(ValueError, match="belongs to user 65534"):
+        _records(folder).close() if name.endswith(".records") else _index(folder).close()
+
+
+def test_the_tiers_files_are_its_users_alone(tmp_path):
+    folder = tmp_path / "tier"
+    folder.mkdir(mode=0o700)
+    (folder / "kvstride-index.sqlite3").touch(mode=0o644)  # left readable by an older version
+    records, index = _records(folder), _index(folder)
+    try:
+        for name in os.listdir(folder):
+            assert (os.stat(folder / name).st_mode & 0o777) == 0o600, name
+    finally:
+        records.close()
+        index.close()
+
+
+def test_a_folder_others_may_write_or_own_is_refused(tmp_path):
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o777)
+    with pytest.raises(ValueError, match="writable by other users"):
+        check_disk_folder(shared, 1 << 20)
+    shared.chmod(0o1777)  # sticky: others cannot replace or remove the tier's files
+    assert check_disk_folder(shared, 1 << 20) == str(shared)
+    if os.geteuid() == 0:
+        theirs = tmp_path / "theirs"
+        theirs.mkdir()
+        os.chown(theirs, OTHER_USER, OTHER_USER)
+        with pytest.raises(ValueError, match="belongs to user 65534"):
+            check_disk_folder(theirs, 1 << 20)
+
+
+def test_a_corrupt_index_starts_the_tier_over_with_one_log_line(tmp_path):
+    import logging
+
+    folder = tmp_path / "tier"
+    folder.mkdir(mode=0o700)
+    (folder / "kvstride-index.sqlite3").write_bytes(b"not a database, " * 512)
+    messages = []
+    handler = logging.Handler()
+    handler.emit = lambda record: messages.append(record.getMessage())
+    logger = logging.getLogger("kvstride.arena")
+    logger.addHandler(handler)
+    try:
+        index = _index(folder)
+    finally:
+        logger.removeHandler(handler)
+    try:
+        assert index.restored == 0 and index.rows() == []
+        assert len([m for m in messages if "unreadable" in m]) == 1, messages
+    finally:
+        index.close()

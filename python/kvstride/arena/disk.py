@@ -22,6 +22,7 @@ import glob
 import logging
 import os
 import shutil
+import stat
 import threading
 from dataclasses import dataclass
 from typing import List, Optional, Sequence, Tuple
@@ -32,7 +33,7 @@ from kvstride import _core
 from kvstride.stores.base import HEADER_BYTES, KVStore
 
 __all__ = ["DISK_ALIGN", "DiskSpec", "DiskRecords", "DiskLane", "record_bytes", "check_disk_folder",
-           "existing_records_bytes"]
+           "existing_records_bytes", "open_private"]
 
 log = logging.getLogger("kvstride.arena")
 
@@ -63,12 +64,20 @@ def existing_records_bytes(path: str) -> int:
 
 def check_disk_folder(path: str, disk_bytes: int, existing: int = 0) -> str:
     """The disk tier's folder, absolute; ``ValueError`` naming ``disk_path`` when it does not
-    exist, is not a writable folder, or its file system lacks ``disk_bytes`` (less what the
-    tier's files hold already, ``existing``)."""
+    exist, is not a writable folder, is owned by another user or writable by others without the
+    sticky bit (they could plant or replace its files), or its file system lacks ``disk_bytes``
+    (less what the tier's files hold already, ``existing``)."""
     path = os.path.abspath(os.path.expanduser(str(path)))
     if not os.path.isdir(path):
         raise ValueError(f"disk_path={path!r} is not a folder: create it (mkdir -p {path}) or fix "
                          "kv_connector_extra_config['disk_path']")
+    info = os.stat(path)
+    if info.st_uid != os.geteuid():
+        raise ValueError(f"disk_path={path!r} belongs to user {info.st_uid}, not to this engine's "
+                         f"({os.geteuid()}): give the engine a folder of its own (mkdir -m 700)")
+    if info.st_mode & (stat.S_IWGRP | stat.S_IWOTH) and not info.st_mode & stat.S_ISVTX:
+        raise ValueError(f"disk_path={path!r} is writable by other users (mode {stat.S_IMODE(info.st_mode):o}), who "
+                         f"could plant files the tier opens: chmod go-w {path}")
     if not os.access(path, os.W_OK | os.X_OK):
         raise ValueError(f"disk_path={path!r} is not writable by this process: give it a folder it may write "
                          "(kv_connector_extra_config['disk_path'])")
@@ -100,6 +109,33 @@ class DiskSpec:
         return self.payload_bytes + DISK_ALIGN
 
 
+def open_private(path: str, flags: int = 0) -> int:
+    """Open (creating it, mode 0600) a file of the tier's own: never through a symlink
+    (``O_NOFOLLOW``), and only a regular file this process's user owns; ``ValueError`` naming
+    the path otherwise. ``flags``: more ``os.open`` flags (``O_DIRECT``), whose ``OSError``
+    is the caller's."""
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC | flags, 0o600)
+    except OSError as err:
+        if err.errno == errno.ELOOP:
+            raise ValueError(f"disk_path: {path!r} is a symbolic link: the disk tier writes only files of its "
+                             "own; remove it") from None
+        raise
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise ValueError(f"disk_path: {path!r} is not a regular file: remove it")
+        if info.st_uid != os.geteuid():
+            raise ValueError(f"disk_path: {path!r} belongs to user {info.st_uid}, not to this engine's "
+                             f"({os.geteuid()}): remove it, or give the engine a folder of its own")
+        if stat.S_IMODE(info.st_mode) & 0o077:
+            os.fchmod(fd, 0o600)  # ours, but readable by others (the keys are in the index)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
 def _aligned(nbytes: int) -> np.ndarray:
     raw = np.empty(nbytes + DISK_ALIGN, dtype=np.uint8)
     start = (-raw.ctypes.data) % DISK_ALIGN
@@ -128,13 +164,12 @@ class DiskRecords:
 
     def _open(self, path: str) -> int:
         size = self.spec.num_records * self.spec.record_bytes
-        flags = os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0)
         try:
-            fd = os.open(path, flags | os.O_DIRECT, 0o600)
+            fd = open_private(path, os.O_DIRECT)
         except OSError as err:
             if err.errno != errno.EINVAL:
                 raise ValueError(f"disk_path: cannot open {path!r}: {err.strerror}") from None
-            fd = os.open(path, flags, 0o600)
+            fd = open_private(path)
             self.direct = False
             log.warning("kvstride: the file system of %s refuses O_DIRECT; the disk tier goes through the page "
                         "cache", os.path.dirname(path))

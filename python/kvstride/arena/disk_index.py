@@ -17,6 +17,7 @@ import os
 import sqlite3
 from typing import Dict, List, Sequence
 
+from kvstride.arena.disk import open_private
 from kvstride.arena.index import SlotIndex
 
 __all__ = ["DiskIndex", "INDEX_FILE"]
@@ -25,6 +26,9 @@ log = logging.getLogger("kvstride.arena")
 
 INDEX_FILE = "kvstride-index.sqlite3"
 LOCK_FILE = "kvstride.lock"
+
+#: The journal files SQLite keeps beside the index in WAL mode.
+_SQLITE_SIDE_FILES = ("-wal", "-shm", "-journal")
 
 #: Bumped when the records' layout or the index's schema changes: older indexes start empty.
 FORMAT = 1
@@ -39,7 +43,7 @@ class DiskIndex(SlotIndex):
         super().__init__(num_slots)
         self.path = os.path.join(folder, INDEX_FILE)
         # One engine per folder: a second one would reuse the first's records under its feet.
-        self._lock_fd = os.open(os.path.join(folder, LOCK_FILE), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        self._lock_fd = open_private(os.path.join(folder, LOCK_FILE))
         try:
             fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -47,17 +51,40 @@ class DiskIndex(SlotIndex):
             raise ValueError(f"disk_path={folder!r} is in use by another engine: give each engine a folder of its "
                              "own (kv_connector_extra_config['disk_path'])") from None
         try:
-            self._db = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False)
-            self._db.execute("PRAGMA journal_mode=WAL")
-            self._db.execute("PRAGMA synchronous=NORMAL")
-            self._db.execute("CREATE TABLE IF NOT EXISTS meta (name TEXT PRIMARY KEY, value TEXT NOT NULL)")
-            self._db.execute("CREATE TABLE IF NOT EXISTS records (key TEXT PRIMARY KEY, slot INTEGER NOT NULL, "
-                             "stamp INTEGER NOT NULL, depth INTEGER NOT NULL, worth REAL NOT NULL)")
-        except sqlite3.Error as err:
+            self._db = self._open_db()
+            self._pending: Dict[str, tuple] = {}  # key -> its row to write, or () to delete
+            self.restored = self._restore(json.dumps(dict(signature, format=FORMAT), sort_keys=True))
+        except sqlite3.DatabaseError as err:  # not an index (a torn file, another program's): start over
+            log.warning("kvstride: the disk tier's index %s is unreadable (%s); the tier starts empty", self.path, err)
+            try:
+                self._db.close()
+            except (AttributeError, sqlite3.Error):
+                pass
+            for name in (self.path, *(self.path + suffix for suffix in _SQLITE_SIDE_FILES)):
+                if os.path.lexists(name):
+                    os.unlink(name)
+            self._db = self._open_db()
+            self._pending = {}
+            self.restored = self._restore(json.dumps(dict(signature, format=FORMAT), sort_keys=True))
+        except BaseException:
             os.close(self._lock_fd)
-            raise ValueError(f"disk_path: the disk tier's index {self.path!r} cannot be opened: {err}") from None
-        self._pending: Dict[str, tuple] = {}  # key -> its row to write, or () to delete
-        self.restored = self._restore(json.dumps(dict(signature, format=FORMAT), sort_keys=True))
+            raise
+
+    def _open_db(self) -> sqlite3.Connection:
+        """The index, created 0600 by this process (SQLite follows links and gives its journal the
+        index's mode): it and its journal files are checked to be this user's own first."""
+        for suffix in _SQLITE_SIDE_FILES:  # SQLite creates them; one planted beforehand is refused
+            side = self.path + suffix
+            if os.path.lexists(side):
+                os.close(open_private(side))
+        os.close(open_private(self.path))
+        db = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False)
+        db.execute("PRAGMA journal_mode=WAL")
+        db.execute("PRAGMA synchronous=NORMAL")
+        db.execute("CREATE TABLE IF NOT EXISTS meta (name TEXT PRIMARY KEY, value TEXT NOT NULL)")
+        db.execute("CREATE TABLE IF NOT EXISTS records (key TEXT PRIMARY KEY, slot INTEGER NOT NULL, "
+                   "stamp INTEGER NOT NULL, depth INTEGER NOT NULL, worth REAL NOT NULL)")
+        return db
 
     def _restore(self, signature: str) -> int:
         """Load the readable keys the last engine left; how many."""
