@@ -494,3 +494,71 @@ def test_a_corrupt_index_starts_the_tier_over_with_one_log_line(tmp_path):
         assert len([m for m in messages if "unreadable" in m]) == 1, messages
     finally:
         index.close()
+
+
+# ---- writes checked, ranks named ------------------------------------------------------------------
+
+
+def _write_one(records, fill: int = 7) -> None:
+    records.arena.save_regions([0], [[(np.full(512, fill, dtype=np.uint8).ctypes.data, 512)]])
+    records.arena.slot_group[0] = 0
+    records.arena.block_bytes = np.array([512], dtype=np.uint64)
+
+
+def test_a_short_write_is_written_on_and_one_that_stops_fails(tmp_path, monkeypatch):
+    """A drive that writes part of a record (a signal, a full queue) gets the rest written from
+    where it stopped; one that stops writing fails the write, counted: never a record confirmed
+    that is not all on disk."""
+    from kvstride.arena import disk
+
+    folder = tmp_path / "tier"
+    folder.mkdir(mode=0o700)
+    records = _records(folder)
+    _write_one(records)
+    real = os.pwritev
+    calls = []
+
+    def short_once(fd, buffers, offset):
+        calls.append(offset)
+        if len(calls) == 1:  # only the header block
+            return real(fd, [buffers[0][:DISK_ALIGN]], offset)
+        return real(fd, buffers, offset)
+
+    monkeypatch.setattr(disk.os, "pwritev", short_once)
+    assert records.write(0, 1, "key") is True
+    assert calls == [records._offset(1), records._offset(1) + DISK_ALIGN]
+    monkeypatch.setattr(disk.os, "pwritev", real)
+    assert records.read(1, 1, "key", 0) is True
+    assert records.counters["disk_short_writes"] == 1
+    monkeypatch.setattr(disk.os, "pwritev", lambda fd, buffers, offset: 0)
+    assert records.write(0, 0, "key") is False
+    assert records.counters["disk_write_errors"] == 1
+    records.close()
+
+
+def test_a_record_read_by_another_rank_is_a_miss(tmp_path):
+    """Rank 0's record file read as rank 1's (renamed, copied): its records name rank 0 and are
+    rejected, counted."""
+    import shutil
+
+    from kvstride.arena.disk import DiskRecords
+    from kvstride.arena.slots import HostArena
+
+    folder = tmp_path / "tier"
+    folder.mkdir(mode=0o700)
+    writer = _records(folder)
+    _write_one(writer)
+    assert writer.write(0, 0, "key")
+    writer.close()
+    shutil.copy(folder / "kvstride-rank0-of-1.records", folder / "kvstride-rank1-of-2.records")
+    arena = HostArena(None, 2, slot_bytes=DISK_ALIGN, align=DISK_ALIGN)
+    arena.block_bytes = np.array([512], dtype=np.uint64)
+    payload, _ = record_bytes(arena.slot_bytes)
+    for rank, ranks, readable in ((1, 2, False), (0, 1, True)):
+        spec = DiskSpec(str(folder), num_records=2, payload_bytes=payload, rank=rank, ranks=ranks, fingerprint=b"\1" * 8)
+        reader = DiskRecords(spec, arena, geometry=b"\2" * 8)
+        try:
+            assert reader.read(0, 1, "key", 0) is readable, (rank, ranks)
+            assert reader.counters["disk_records_rejected"] == (0 if readable else 1)
+        finally:
+            reader.close()

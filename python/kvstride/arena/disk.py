@@ -40,6 +40,9 @@ log = logging.getLogger("kvstride.arena")
 #: Direct I/O alignment of addresses, sizes and offsets (the largest logical block size in use).
 DISK_ALIGN = 4096
 
+#: Writes of one record's rest after a short write before it fails.
+WRITE_TRIES = 4
+
 #: Records in flight at once per lane (a queue deep enough for an NVMe drive).
 IO_THREADS = 4
 
@@ -136,6 +139,18 @@ def open_private(path: str, flags: int = 0) -> int:
     return fd
 
 
+def _after(buffers: List[memoryview], skip: int) -> List[memoryview]:
+    """``buffers`` without their first ``skip`` bytes."""
+    out = []
+    for buffer in buffers:
+        if skip >= len(buffer):
+            skip -= len(buffer)
+            continue
+        out.append(buffer[skip:])
+        skip = 0
+    return out
+
+
 def _aligned(nbytes: int) -> np.ndarray:
     raw = np.empty(nbytes + DISK_ALIGN, dtype=np.uint8)
     start = (-raw.ctypes.data) % DISK_ALIGN
@@ -152,13 +167,17 @@ class DiskRecords:
             raise ValueError(f"the arena's slots ({arena.slot_bytes} bytes at {arena.ptr:#x}) must be "
                              f"{DISK_ALIGN}-aligned and fit a record's {spec.payload_bytes}-byte payload")
         self.spec, self.arena = spec, arena
-        self.headers = KVStore(spec.fingerprint, verify=True, secret=spec.secret)
+        # A record names the rank and the rank count it was written for: one read by another
+        # rank (a file renamed or copied) is a miss, whatever its name says.
+        rank_fingerprint = bytes.fromhex(_core.layout_fingerprint(
+            {"records": spec.fingerprint.hex(), "rank": spec.rank, "ranks": spec.ranks}))
+        self.headers = KVStore(rank_fingerprint, verify=True, secret=spec.secret)
         self.headers.bind_geometry(geometry)
         self._slots = arena.buffer.numpy()  # the arena's bytes, for the system calls' buffers
         self.direct = True
         self.fd = self._open(spec.file)
         self.counters = {"disk_bytes_written": 0, "disk_bytes_read": 0, "disk_write_errors": 0,
-                         "disk_read_errors": 0, "disk_records_rejected": 0}
+                         "disk_read_errors": 0, "disk_records_rejected": 0, "disk_short_writes": 0}
         self._lock = threading.Lock()
         self._closed = False
 
@@ -216,13 +235,29 @@ class DiskRecords:
         header[:] = 0
         header[:HEADER_BYTES] = np.frombuffer(self.headers._make_header(key, parts, digest), dtype=np.uint8)
         try:
-            os.pwritev(self.fd, [memoryview(header), self._slot_view(slot)], self._offset(record))
+            self._write_whole([memoryview(header), self._slot_view(slot)], self._offset(record))
         except OSError as err:
             self._count("disk_write_errors")
             log.warning("kvstride: a disk-tier write failed (%s); the value stays in memory only", err.strerror)
             return False
         self._count("disk_bytes_written", self.spec.record_bytes)
         return True
+
+    def _write_whole(self, buffers: List[memoryview], offset: int) -> None:
+        """``pwritev`` until every byte is written; a write that makes no progress, or stops off
+        the direct-I/O alignment, is an ``OSError`` (counted ``disk_short_writes``)."""
+        total = sum(len(b) for b in buffers)
+        done = 0
+        for _ in range(WRITE_TRIES):
+            written = os.pwritev(self.fd, buffers, offset + done)
+            done += written
+            if done == total:
+                return
+            self._count("disk_short_writes")
+            if written <= 0 or (self.direct and done % DISK_ALIGN):
+                break
+            buffers = _after(buffers, written)
+        raise OSError(errno.EIO, f"short write: {done} of {total} bytes")
 
     def read(self, record: int, slot: int, key: str, group: int) -> bool:
         """``record`` into arena ``slot`` when it holds ``key``'s value of ``group`` intact;

@@ -31,7 +31,7 @@ LOCK_FILE = "kvstride.lock"
 _SQLITE_SIDE_FILES = ("-wal", "-shm", "-journal")
 
 #: Bumped when the records' layout or the index's schema changes: older indexes start empty.
-FORMAT = 1
+FORMAT = 2  # 2: records bind their TP rank and rank count
 
 
 class DiskIndex(SlotIndex):

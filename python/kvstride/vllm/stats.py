@@ -64,7 +64,7 @@ SUCCESSES = frozenset({"get_ok", "put_ok", "put_skipped_present"})
 #: ...and these engine counters.
 FAILURE_COUNTERS = frozenset(
     {"loads_failed", "loads_timed_out", "lookup_timeouts", "saves_failed", "load_job_errors", "save_job_errors",
-     "lookup_errors", "mac_rejected", "disk_write_errors", "disk_read_errors", "disk_records_rejected",
+     "lookup_errors", "mac_rejected", "disk_write_errors", "disk_read_errors", "disk_records_rejected", "disk_short_writes",
      "disk_loads_failed", "disk_reads_timed_out", "saves_cancelled_by_fence", "store_disabled", "fence_errors"}
 )
 FAILED = "failed:"
