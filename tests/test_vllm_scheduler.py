@@ -22,6 +22,7 @@ from kvstride.vllm.config import ConnectorConfig, check_admission  # noqa: E402
 from kvstride.vllm.metadata import KVStrideWorkerMetadata  # noqa: E402
 from kvstride.vllm.scheduler import ABANDON_AFTER_STEPS, SchedulerSide  # noqa: E402
 from kvstride.vllm.store_registry import StoreChoice  # noqa: E402
+from test_vllm_checks import warnings_seen  # noqa: E402,F401  (the fixture: kvstride's warnings)
 
 BLOCK = 16
 TP = 2
@@ -586,3 +587,25 @@ def test_a_step_whose_allocations_cannot_be_read_fences_every_pending_save():
         assert side.build_connector_meta(step).allocated is None
     finally:
         store.close()
+
+
+@pytest.mark.parametrize("store", ["embedded", "mooncake"])
+def test_a_prompt_shorter_than_a_hash_block_is_a_quiet_miss(store, warnings_seen):
+    """A prompt with no full hash block has no key to look up: a miss, with no error logged or
+    counted (a false "lookup failed" on every short chat turn); a lookup that does fail is
+    counted."""
+    if store == "embedded":
+        _, _, side = _embedded_side([kvstride.GroupSpec("full_attention", BLOCK)], 8, "short")
+    else:
+        side = SchedulerSide(_config(), StorePlacement(CountingStore()))
+    try:
+        short = SimpleNamespace(request_id="short", block_hashes=[], num_tokens=BLOCK - 3, num_prompt_tokens=BLOCK - 3)
+        side.on_new_request(short)
+        assert side.get_num_new_matched_tokens(short, 0) == (0, False)
+        assert side.counters["lookup_errors"] == 0 and warnings_seen == []
+        broken = SimpleNamespace(request_id="broken", block_hashes=None, num_tokens=BLOCK, num_prompt_tokens=BLOCK)
+        side.on_new_request(broken)
+        assert side.get_num_new_matched_tokens(broken, 0) == (0, False)
+        assert side.counters["lookup_errors"] == 1
+    finally:
+        side.shutdown()

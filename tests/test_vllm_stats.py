@@ -214,6 +214,16 @@ def test_prom_metrics_count_per_engine_and_outcome(prom):
     assert sample("vllm:kvstride_failures_total", engine="1", outcome="get_missing") is None
 
 
+def test_every_known_failure_outcome_is_exported_as_zero_from_the_start(prom):
+    """An alert on a failure's rate needs its series before the first failure: every outcome
+    kvstride counts by name is there at 0 for each engine."""
+    from kvstride.vllm.stats import FAILURE_COUNTERS
+
+    for engine in ("0", "1"):
+        for outcome in FAILURE_COUNTERS:
+            assert sample("vllm:kvstride_failures_total", engine=engine, outcome=outcome) == 0, (engine, outcome)
+
+
 def test_prom_metrics_take_a_reduced_summary_too(prom):
     prom.observe(KVStrideStats(data={"lookups": 2, "lookup_hit_tokens": 1, "lookup_tokens": 2}).reduce())
     assert sample("vllm:kvstride_lookups_total") == 2

@@ -118,7 +118,9 @@ class Lookups:
             if bitmap is None:  # the store did not answer: nothing stands
                 self._standing.discard(other)
                 continue
-            self._answers[other] = _Answer(hits[other], len(hashes), num_tokens, np.packbits(bitmap), len(bitmap),
+            # (A prompt shorter than one hash block has no key: an empty bitmap, of no dtype.)
+            packed = np.packbits(np.asarray(bitmap, dtype=bool))
+            self._answers[other] = _Answer(hits[other], len(hashes), num_tokens, packed, len(bitmap),
                                            version, now, self.step, self.step)
             self._found.pop(other, None)
             self._standing.add(other)

@@ -148,8 +148,9 @@ class SchedulerSide(Outcomes):
             # Asynchronous: vLLM parks the request until the load is reported, so every
             # group's state (Mamba included) is in place before its first forward.
             return ext, ext > 0
-        except Exception as err:  # never into vLLM's step: a miss
-            log.warning("kvstride lookup failed, treating as a miss: %r", err)
+        except Exception as err:  # never into vLLM's step: a miss, counted
+            self.count("lookup_errors")
+            self._log_once("lookup", "kvstride lookup failed, treating as a miss: %r", err)
             return 0, False
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:

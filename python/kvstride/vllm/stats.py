@@ -194,8 +194,12 @@ class KVStridePromMetrics(KVConnectorPromMetrics):
         self._failures = self._counter_cls(
             name=series, documentation=documentation, labelnames=labelnames + ["outcome"]
         )
-        # Bound on first sight: the outcomes are whatever the engine counted.
+        # The known outcomes are exported as 0 from the start (an alert on their rate sees a
+        # series, not an absent one); the store's per-block outcomes are bound on first sight.
         self._failures_by_outcome: Dict[Tuple[str, int], Any] = {}
+        for outcome in sorted(FAILURE_COUNTERS):
+            for engine_idx in per_engine_labelvalues:
+                self._failure_counter(outcome, engine_idx)
 
     def observe(self, transfer_stats_data: Dict[str, Any], engine_idx: int = 0) -> None:
         """Add one step's ``data`` (summed over the workers and the scheduler) of engine
