@@ -25,6 +25,8 @@ BAD = [
     (["simulate", "--trace", "t.jsonl", "--checkpoints", "foo"], "--checkpoints", "every:T"),
     (["simulate", "--trace", "t.jsonl", "--policy", "lru"], "--policy", "kvstride"),
     (["explain", "--dcp", "0"], "--dcp", ">= 1"),
+    (["explain", "--groups", ""], "--groups", "full_attention:16"),
+    (["simulate", "--groups", "  "], "--groups", "full_attention:16"),
     (["store", "serve", "--bytes", "-600"], "--bytes", "512MB"),
     (["store", "serve", "--bytes", "1G", "--config-out", "/nope/dir/x.json"], "--config-out", "does not exist"),
     (["store", "serve", "--bytes", "1G", "--host", "nohost.invalid"], "--host", "address"),
@@ -106,3 +108,34 @@ def test_an_option_the_mode_ignores_is_refused(capsys, argv, named):
         code = done.code
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(err) == 1 and named in err[0], err
+
+
+def test_every_option_says_what_it_does_in_plain_text():
+    """``--help`` of every command: each option has a help text, none shows reStructuredText."""
+    import argparse
+
+    def options(parser, name):
+        for action in parser._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                for sub, subparser in action.choices.items():
+                    yield from options(subparser, f"{name} {sub}")
+            elif action.dest != "help":
+                yield name, action
+
+    parser = cli.build_parser()
+    missing = [(name, action.option_strings) for name, action in options(parser, "kvstride") if not action.help]
+    assert missing == []
+    assert "``" not in parser.format_help()
+
+
+def test_output_cut_short_by_its_reader_ends_quietly():
+    """``kvstride explain ... | head -1``: the reader closes the pipe; the command ends with
+    SIGPIPE's status and no traceback."""
+    import subprocess
+    import sys
+
+    # The reader is gone before the command writes its first line (it takes a second to start).
+    command = f"{sys.executable} -m kvstride.cli explain --preset glm-ring | true"
+    run = subprocess.run(["bash", "-o", "pipefail", "-c", command], capture_output=True, text=True, timeout=120)
+    assert "Traceback" not in run.stderr and "BrokenPipeError" not in run.stderr, run.stderr
+    assert run.returncode == 141

@@ -137,7 +137,8 @@ def _mix_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--prefix-match-unit", type=_POSITIVE, default=None, help="hash block size H override")
     parser.add_argument("--dcp", type=_POSITIVE, default=1, help="decode context parallel size")
-    parser.add_argument("--algo", default="sha256_cbor", choices=list(_core.HASH_ALGOS))
+    parser.add_argument("--algo", default="sha256_cbor", choices=list(_core.HASH_ALGOS),
+                        help="block-hash algorithm (vLLM's --prefix-caching-hash-algo)")
     parser.add_argument("--seed", default="0", help="hash seed (vLLM: PYTHONHASHSEED)")
     parser.add_argument(
         "--model",
@@ -644,7 +645,7 @@ def _version() -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="kvstride", description=__doc__)
+    parser = _Parser(prog="kvstride", description=__doc__.replace("``", ""))
     parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
     commands = parser.add_subparsers(dest="command", required=True)
     explain_parser = commands.add_parser("explain", help="S, H, participation and keys of a group mix")
@@ -653,8 +654,8 @@ def build_parser() -> argparse.ArgumentParser:
     _mix_arguments(sim)
     sim.add_argument("--store", type=_store_url, default="embedded",
                      help="embedded | mooncake (starts a master on loopback) | mooncake://HOST:PORT")
-    sim.add_argument("--conversations", type=_POSITIVE, default=8)
-    sim.add_argument("--turns", type=_POSITIVE, default=4)
+    sim.add_argument("--conversations", type=_POSITIVE, default=8, help="chats replayed side by side")
+    sim.add_argument("--turns", type=_POSITIVE, default=4, help="user messages per chat")
     sim.add_argument("--batch", type=_POSITIVE, default=4, help="requests per engine step")
     sim.add_argument("--system-tokens", type=_NON_NEGATIVE, default=2048, help="shared system prompt length")
     sim.add_argument("--user-tokens", type=_POSITIVE, default=300, help="tokens each user message adds")
@@ -827,6 +828,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     args = parser.parse_args(argv)
     try:
         return _run(parser, args)
+    except BrokenPipeError:  # the reader stopped early (| head): end quietly, as a shell tool does
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())  # Python's exit flush would raise again
+        return 141  # 128 + SIGPIPE
     except MooncakeDependencyError as err:  # what Mooncake needs and how to install it, no traceback
         print(f"kvstride {args.command}: {err}", file=sys.stderr)
         return 1
@@ -889,6 +894,8 @@ def _run(parser: argparse.ArgumentParser, args) -> int:
                          f"--policy kvstride (not {args.policy}) or leave --disk-bytes out")
     if args.model and (args.preset or args.groups):
         parser.error("--model gives the geometry: leave out --preset and --groups, or --model")
+    if args.groups is not None and not args.groups.strip():
+        parser.error('--groups is empty: give a group mix, e.g. "full_attention:16,mamba:64", or leave it out')
     try:
         mix = model_mix(args.model, args.prefix_match_unit) if args.model else resolve_mix(
             args.preset, args.groups, args.prefix_match_unit)
