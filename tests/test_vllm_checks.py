@@ -9,6 +9,7 @@ with one warning per process (issue 14).
 
 import logging
 import multiprocessing
+import re
 import types
 
 import pytest
@@ -255,3 +256,31 @@ def test_unauthenticated_store_warning_once_per_process(warnings_seen, monkeypat
     for _ in range(3):
         vllm_checks.warn_unauthenticated_store()
     assert len(warnings_seen) == 1 and "secret_file" in warnings_seen[0], warnings_seen
+
+
+def test_kvstride_logs_in_vllms_format_at_vllms_level():
+    """Inside vLLM, kvstride's lines go through vLLM's logging configuration: its handler and
+    format (process and pid, level, time, file and line) and its level (INFO shown, DEBUG not),
+    also where vLLM configures its logging after kvstride is imported; with vLLM's logging off,
+    Python's defaults apply (a warning still reaches stderr)."""
+    import subprocess
+    import sys
+
+    script = (
+        "import logging\n"
+        "import kvstride.vllm\n"
+        "from vllm.config.logging import LoggingConfig\n"
+        "from vllm.logger import configure_logging\n"
+        "configure_logging(LoggingConfig(configure_logging=%s))\n"
+        "logging.getLogger('kvstride.vllm').info('kvstride info line')\n"
+        "logging.getLogger('kvstride.arena').debug('kvstride debug line')\n"
+        "logging.getLogger('kvstride.vllm').warning('kvstride warning line')\n"
+    )
+    run = subprocess.run([sys.executable, "-c", script % "True"], capture_output=True, text=True, timeout=120)
+    lines = [line for line in (run.stdout + run.stderr).splitlines() if "kvstride" in line and "line" in line]
+    assert len(lines) == 2, lines
+    assert re.fullmatch(r"\(MainProcess pid=\d+\) INFO \d\d-\d\d \d\d:\d\d:\d\d \[<string>:6\] kvstride info line",
+                        lines[0]), lines
+    assert " WARNING " in lines[1] and lines[1].endswith("kvstride warning line")
+    run = subprocess.run([sys.executable, "-c", script % "False"], capture_output=True, text=True, timeout=120)
+    assert "kvstride warning line" in run.stderr and "kvstride info line" not in run.stdout + run.stderr
