@@ -139,3 +139,17 @@ def test_output_cut_short_by_its_reader_ends_quietly():
     run = subprocess.run(["bash", "-o", "pipefail", "-c", command], capture_output=True, text=True, timeout=120)
     assert "Traceback" not in run.stderr and "BrokenPipeError" not in run.stderr, run.stderr
     assert run.returncode == 141
+
+
+def test_bench_skips_what_it_cannot_run_naming_the_install(capsys, monkeypatch):
+    """After ``make simulate`` (the demo's packages alone) ``kvstride bench`` runs what it can:
+    a bench whose module is missing is skipped in one line naming the install, not a traceback
+    and a failed exit."""
+    monkeypatch.setattr(cli, "BENCHES", (("keypath.py", ["--repeat", "1"], ("cbor2_not_installed",)),
+                                         ("store.py", ["--reps", "1"], ("mooncake.store",))))
+    monkeypatch.setattr(cli, "INSTALLS", dict(cli.INSTALLS, cbor2_not_installed="pip install 'kvstride[test]'"))
+    monkeypatch.setattr(cli, "_importable", lambda module: False)
+    assert cli.main(["bench", "--quick"]) == 0
+    out = capsys.readouterr().out
+    assert "skipped: needs cbor2_not_installed, which is not installed: pip install 'kvstride[test]'" in out
+    assert "skipped: needs mooncake.store, which is not installed: pip install 'kvstride[mooncake]'" in out
