@@ -13,6 +13,7 @@ from typing import List, Optional, Sequence
 from kvstride import _core
 from kvstride.capacity import PrefixOrder
 from kvstride.mixes import PRESETS, Mix, format_groups, model_mix, resolve_mix
+from kvstride.mooncake_config import MOONCAKE_PIP
 
 
 class _Parser(argparse.ArgumentParser):
@@ -424,8 +425,7 @@ BENCHES = (
 )
 
 #: How to install what a bench needs (after ``make simulate``, the demo's packages alone).
-INSTALLS = {"cbor2": "pip install 'kvstride[test]'", "mooncake.store": "pip install 'kvstride[mooncake]' "
-            "(and Debian's libibverbs1)"}
+INSTALLS = {"cbor2": "pip install cbor2", "mooncake.store": f"{MOONCAKE_PIP} (and Debian's libibverbs1)"}
 
 
 def _importable(module: str) -> bool:
@@ -463,7 +463,7 @@ def bench(args) -> int:
             continue
         extra = list(quick) if args.quick else []
         if script == "engine.py" and not mooncake:  # its Mooncake rows need the client
-            print("(the Mooncake rows are left out: pip install 'kvstride[mooncake]' adds them)", flush=True)
+            print(f"(the Mooncake rows are left out: {MOONCAKE_PIP} adds them)", flush=True)
             extra += ["--stores", "embedded"]
         failed |= subprocess.call([sys.executable, str(benches / script), *extra], cwd=root, env=env) != 0
     return 1 if failed else 0
@@ -861,7 +861,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         module = (err.name or "").partition(".")[0]
         if module not in _CLI_EXTRA_MODULES:
             raise
-        print(f"kvstride {args.command} needs {module}, which is not installed: pip install 'kvstride[cli]'", file=sys.stderr)
+        print(f"kvstride {args.command} needs {module}, which is not installed: pip install {' '.join(_CLI_EXTRA_MODULES)}",
+              file=sys.stderr)
         return 2
 
 

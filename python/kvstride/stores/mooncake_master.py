@@ -49,8 +49,7 @@ def _mooncake_dir() -> str:
     spec = importlib.util.find_spec("mooncake")
     if spec is None or not spec.submodule_search_locations:
         raise MooncakeDependencyError(
-            f"the Mooncake store needs the mooncake package, which is not installed: {MOONCAKE_PIP} "
-            "(or `pip install 'kvstride[mooncake]'`)"
+            f"the Mooncake store needs the mooncake package, which is not installed: {MOONCAKE_PIP}"
         )
     return list(spec.submodule_search_locations)[0]
 
