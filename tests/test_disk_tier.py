@@ -562,3 +562,95 @@ def test_a_record_read_by_another_rank_is_a_miss(tmp_path):
             assert reader.counters["disk_records_rejected"] == (0 if readable else 1)
         finally:
             reader.close()
+
+
+# ---- admission the disk can keep ----------------------------------------------------------------
+
+
+def test_a_disk_slower_than_the_saves_gets_what_it_can_write_and_nothing_grows(tmp_path):
+    """Each step stores 8 new values (depths 0-7 of a prompt) and the disk writes 4 a step
+    (the workers' lane modelled, in steps). Over 2,000 steps the write-through adapts to the
+    disk's measured pace: what waits for the disk (the workers' queue, the arena slots held) stays
+    bounded, the disk stays busy, no job is given up, the shallowest blocks are the ones written,
+    and every value not written is counted."""
+    import collections
+
+    from kvstride.arena.index import DISK_BACKLOG_STEPS, ArenaPlacement
+
+    folder = tmp_path / "tier"
+    folder.mkdir(mode=0o700)
+    place = ArenaPlacement(4096, disk=_index(folder, records=1 << 16), world_size=1)
+    queue = collections.deque()  # the workers' write lane: (job id, entries) not yet written
+    per_step, disk_per_step = 8, 4
+    credit, written, largest_queue, largest_held, skipped = 0, [], 0, 0, 0
+    try:
+        for step in range(1, 2001):
+            keys = [f"k{step}-{depth}" for depth in range(per_step)]
+            ranks = {key: (step, depth, 1.0) for depth, key in enumerate(keys)}
+            _, got, _ = place.place_saves([[(key, 0, 1) for key in keys]], ranks)
+            place.saves_done(got, ok=True)
+            queue.extend(place.take_disk_writes().items())
+            cancelled = set(place.take_disk_cancelled())
+            skipped += place.take_counts().get("disk_writes_skipped", 0)
+            assert not cancelled
+            credit += disk_per_step
+            reports = {}
+            while queue and credit >= len(queue[0][1]):
+                job_id, entries = queue.popleft()
+                credit -= len(entries)
+                reports[job_id] = [1, 0]
+                written.extend(key for _, _, key in entries)
+            place.disk_written(reports)
+            place.flush()
+            if step > 100:
+                largest_queue = max(largest_queue, sum(len(entries) for _, entries in queue))
+                largest_held = max(largest_held, place._disk_in_flight)
+        # Bounded by the disk's pace, about DISK_BACKLOG_STEPS steps of its writes.
+        assert largest_held <= 2 * DISK_BACKLOG_STEPS * disk_per_step, largest_held
+        assert largest_queue <= largest_held
+        assert len(written) >= 0.9 * 2000 * disk_per_step  # the disk kept busy
+        assert skipped == 2000 * per_step - len(written) - place._disk_in_flight
+        depths = collections.Counter(int(key.rpartition("-")[2]) for key in written[len(written) // 2:])
+        assert depths[0] >= depths[per_step - 1], depths  # the shallow blocks first
+    finally:
+        place.close()
+
+
+def test_a_write_job_the_scheduler_gave_up_is_never_written(tmp_path, monkeypatch):
+    """A job still queued on the workers' lane when the scheduler gives it up (its slots may
+    already hold other keys) is dropped unwritten; one already running finishes."""
+    import threading
+
+    from kvstride.arena.disk import DiskLane
+
+    folder = tmp_path / "tier"
+    folder.mkdir(mode=0o700)
+    records = _records(folder, records=4)
+    _write_one(records)
+    gate, writes = threading.Event(), []
+    real = records.write
+
+    def slow_write(slot, record, key):
+        gate.wait(30)
+        writes.append(key)
+        return real(slot, record, key)
+
+    monkeypatch.setattr(records, "write", slow_write)
+    lane = DiskLane(records)
+    try:
+        lane.write(1, [(0, 0, "running")])
+        lane.write(2, [(0, 1, "given-up")])
+        lane.cancel([2, 99])
+        gate.set()
+        written, dropped = {}, 0
+        for _ in range(1000):
+            done, _, counted = lane.take()
+            written.update(done)
+            dropped += counted.get("disk_writes_dropped", 0)
+            if written and dropped:
+                break
+            threading.Event().wait(0.01)
+        assert written == {1: True} and writes == ["running"] and dropped == 1
+        assert lane._cancelled == set() and lane._queued == set()
+    finally:
+        lane.shutdown()

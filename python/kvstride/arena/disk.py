@@ -324,10 +324,19 @@ class DiskLane:
         self._lock = threading.Lock()
         self._written: dict = {}  # job id -> all of it written
         self._read: dict = {}  # req id -> (all of it read, records found bad)
+        self._queued: set = set()  # write jobs not begun
+        self._cancelled: set = set()  # of those, the ones the scheduler gave up
+        self._dropped = 0  # write jobs dropped unwritten since the last take
 
     def write(self, job_id: int, entries: Sequence[Tuple[int, int, str]]) -> None:
         """Write ``(slot, record, key)`` entries (the scheduler keeps their slots until reported)."""
         def run() -> None:
+            with self._lock:
+                self._queued.discard(job_id)
+                if job_id in self._cancelled:  # given up by the scheduler: its slots are another key's
+                    self._cancelled.discard(job_id)
+                    self._dropped += 1
+                    return
             try:
                 ok = all(list(self._write_io.map(lambda e: self.records.write(*e), entries)))
             except Exception as err:  # never into vLLM's step: the job fails
@@ -336,7 +345,14 @@ class DiskLane:
             with self._lock:
                 self._written[job_id] = ok
 
+        with self._lock:
+            self._queued.add(job_id)
         self._write_lane.submit(run)
+
+    def cancel(self, job_ids: Sequence[int]) -> None:
+        """Write jobs the scheduler gave up: those not begun are dropped unwritten."""
+        with self._lock:
+            self._cancelled.update(j for j in map(int, job_ids) if j in self._queued)
 
     def read(self, req_id: str, entries: Sequence[Tuple[int, int, str, int]]) -> None:
         """Read ``(record, slot, key, group)`` entries into their slots."""
@@ -357,7 +373,11 @@ class DiskLane:
         with self._lock:
             written, self._written = self._written, {}
             read, self._read = self._read, {}
-        return written, read, self.records.take_counters()
+            dropped, self._dropped = self._dropped, 0
+        counted = self.records.take_counters()
+        if dropped:
+            counted["disk_writes_dropped"] = dropped
+        return written, read, counted
 
     def shutdown(self) -> None:
         """Finish what was submitted, then close the file."""

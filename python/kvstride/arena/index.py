@@ -16,8 +16,20 @@ __all__ = ["SlotIndex", "ArenaPlacement", "slots_for", "ALIGN"]
 ALIGN = 64
 
 #: Scheduler steps after which a write-through job not every rank reported is given up (its
-#: records freed, its slots released): a report lost to a worker's error.
+#: records freed, its slots released, the workers told not to write it if they have not begun).
 ABANDON_DISK_AFTER_STEPS = 256
+
+#: Write-through admission: records in flight (queued on the workers or being written, each
+#: holding its arena slot) at most what the disk completes in this many steps, measured: a
+#: disk slower than the saves gets the values it can write, the shallowest blocks of each save
+#: first (a prefix's first blocks are what every longer hit needs), and the rest stay in memory
+#: only (``disk_writes_skipped``), so that no queue grows and no slot waits on the disk for long.
+DISK_BACKLOG_STEPS = 32
+#: Records in flight at least, and before the disk's rate is measured.
+DISK_IN_FLIGHT_MIN = 16
+DISK_IN_FLIGHT_START = 256
+#: Weight of a step's completions in the disk's measured rate (records a step).
+DISK_RATE_WEIGHT = 0.1
 
 
 def slots_for(capacity_bytes: int, slot_bytes: int) -> int:
@@ -283,6 +295,12 @@ class ArenaPlacement:
         self._disk_jobs: Dict[int, _DiskJob] = {}
         self._next_disk_job = 0
         self._step = 0
+        self._disk_in_flight = 0  # records queued or being written (their slots held)
+        self._disk_rate: Optional[float] = None  # records the disk completes a step, measured
+        self._disk_done = 0  # records completed since the last step
+        self._disk_busy = False  # records were in flight at the last step's start
+        self._disk_cancelled: List[int] = []  # jobs given up, for the workers to drop
+        self.counts: Dict[str, int] = {}  # what the scheduler counts (take_counts)
 
     def exists(self, keys: Sequence[str]) -> List[bool]:
         present = self.index.exists(keys)
@@ -329,9 +347,24 @@ class ArenaPlacement:
         if self.disk is not None:
             self._write_through([key for key in keys if self.index.ready_key(key)], ranks)
 
+    def disk_budget(self) -> int:
+        """Records the write-through may have in flight now (``DISK_BACKLOG_STEPS``)."""
+        if self._disk_rate is None:
+            return DISK_IN_FLIGHT_START
+        return max(DISK_IN_FLIGHT_MIN, int(self._disk_rate * DISK_BACKLOG_STEPS))
+
+    def take_counts(self) -> Dict[str, int]:
+        counts, self.counts = self.counts, {}
+        return counts
+
     def _write_through(self, keys: List[str], ranks: Dict[str, Optional[tuple]]) -> None:
         disk = self.disk
         keys = [key for key in keys if not disk.ready_key(key) and not disk.writing(key)]
+        room = max(0, self.disk_budget() - self._disk_in_flight)
+        if len(keys) > room:  # the disk's pace: the shallowest blocks first, the rest in memory only
+            keys = sorted(keys, key=lambda key: (ranks.get(key) or (0, 0, 1.0))[1])
+            self.counts["disk_writes_skipped"] = self.counts.get("disk_writes_skipped", 0) + len(keys) - room
+            keys = keys[:room]
         if not keys:
             return
         # The disk's own recency (its order outlives the arena's), the arena's depth and worth.
@@ -342,14 +375,23 @@ class ArenaPlacement:
                 continue
             (slot,) = self.index.hold([key])
             self._disk_queue.append((slot, record, key))
+            self._disk_in_flight += 1
 
     def take_disk_writes(self) -> Dict[int, List[Tuple[int, int, str]]]:
         """This step's write-through jobs: job id -> (slot, record, key) for every rank; and
         jobs not every rank reported within ``ABANDON_DISK_AFTER_STEPS`` are given up."""
         self._step += 1
+        if self._disk_busy:  # a step the disk had work all along: its pace
+            done = float(self._disk_done)
+            rate = self._disk_rate
+            self._disk_rate = done if rate is None else rate + DISK_RATE_WEIGHT * (done - rate)
+        self._disk_done = 0
+        self._disk_busy = self._disk_in_flight > 0
         oldest = self._step - ABANDON_DISK_AFTER_STEPS
         for job_id in [j for j, job in self._disk_jobs.items() if job.step < oldest]:
             self._end_disk_job(self._disk_jobs.pop(job_id), ok=False)
+            self._disk_cancelled.append(job_id)
+            self.counts["disk_write_jobs_given_up"] = self.counts.get("disk_write_jobs_given_up", 0) + 1
         if not self._disk_queue:
             return {}
         entries, self._disk_queue = self._disk_queue, []
@@ -370,11 +412,19 @@ class ArenaPlacement:
                 del self._disk_jobs[job_id]
                 self._end_disk_job(job, ok=not job.bad)
 
+    def take_disk_cancelled(self) -> List[int]:
+        """Write-through jobs given up since the last call: a worker that has not begun one
+        drops it (its records are free again, its slots another key's)."""
+        cancelled, self._disk_cancelled = self._disk_cancelled, []
+        return cancelled
+
     def _end_disk_job(self, job: _DiskJob, ok: bool) -> None:
         if ok:
             self.disk.confirm(job.keys)
+            self._disk_done += len(job.keys)
         else:
             self.disk.abandon(job.keys)
+        self._disk_in_flight -= len(job.keys)
         self.index.unpin(job.slots)
 
     def place_load(self, req_id: str, per_rank, stamp: Optional[int] = None, worth: float = 1.0):

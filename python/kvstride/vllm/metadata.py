@@ -29,6 +29,7 @@ class KVStrideMetadata(KVConnectorMetadata):
     # The embedded store's disk tier, every rank alike: write-through job id -> (slot, record,
     # key); req id -> the (record, slot, key, group) its load reads into slots first.
     disk_writes: Dict[int, List[Tuple[int, int, str]]] = field(default_factory=dict)
+    disk_cancelled: List[int] = field(default_factory=list)  # write-through jobs given up: not to begin
     disk_reads: Dict[str, List[Tuple[int, int, str, int]]] = field(default_factory=dict)
     # Block ids the step's scheduling allocated anew, those its loads write included (any group;
     # None: unknown, every block): saves still reading one are waited for before the step's

@@ -248,6 +248,9 @@ class SchedulerSide(Outcomes):
             self.engine.finish_request(rid)
         if self._disk_tier:
             meta.disk_writes = self.placement.take_disk_writes()
+            meta.disk_cancelled = self.placement.take_disk_cancelled()
+            for name, n in self.placement.take_counts().items():
+                self.count(name, n)
             self.placement.flush()
         return meta
 

@@ -56,6 +56,7 @@ SHOWN_WHEN_MOVED = {
     "lookups_store_disabled": "lookups_store_disabled",
     "requests_unbound": "requests_unbound",
     "pinned_bytes": "pinned_bytes",
+    "disk_writes_skipped": "disk_writes_skipped",
 }
 #: Stats name -> the engine operation whose total seconds it is the delta of (store calls).
 TIMED = {"load_seconds": "get", "save_seconds": "put"}
@@ -65,7 +66,8 @@ SUCCESSES = frozenset({"get_ok", "put_ok", "put_skipped_present"})
 FAILURE_COUNTERS = frozenset(
     {"loads_failed", "loads_timed_out", "lookup_timeouts", "saves_failed", "load_job_errors", "save_job_errors",
      "lookup_errors", "mac_rejected", "disk_write_errors", "disk_read_errors", "disk_records_rejected", "disk_short_writes",
-     "disk_loads_failed", "disk_reads_timed_out", "saves_cancelled_by_fence", "store_disabled", "fence_errors"}
+     "disk_loads_failed", "disk_reads_timed_out", "saves_cancelled_by_fence", "store_disabled", "fence_errors",
+     "disk_write_jobs_given_up"}
 )
 FAILED = "failed:"
 
@@ -161,6 +163,10 @@ SERIES = {
     "pinned_bytes": (
         "vllm:kvstride_pinned_bytes",
         "Host memory page-locked for the device's copies (the arena's slots or the staging pool), every rank.",
+    ),
+    "disk_writes_skipped": (
+        "vllm:kvstride_disk_writes_skipped",
+        "Values left in memory only because the disk tier could not keep up with the saves.",
     ),
     "loads_from_disk": ("vllm:kvstride_loads_from_disk", "Loads that read some blocks from the disk tier."),
     "disk_bytes_written": ("vllm:kvstride_disk_bytes_written", "Bytes written to the disk tier's records."),

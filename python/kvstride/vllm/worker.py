@@ -217,10 +217,13 @@ class WorkerSide(Outcomes):
             self._tails_staged.update(meta.finished_tails)
 
     def _write_through(self, meta: KVStrideMetadata) -> None:
-        """The step's disk write-through jobs (slots the scheduler holds), to the disk lane."""
+        """The step's disk write-through jobs (slots the scheduler holds), to the disk lane; jobs
+        the scheduler gave up are dropped if their writes have not begun."""
+        disk = getattr(self.store, "disk", None)
+        if meta.disk_cancelled and disk is not None:
+            disk.cancel(meta.disk_cancelled)
         if not meta.disk_writes:
             return
-        disk = getattr(self.store, "disk", None)
         for job_id, entries in meta.disk_writes.items():
             if disk is None:
                 self._disk_reports[job_id] = [0, 1]
