@@ -654,3 +654,68 @@ def test_a_write_job_the_scheduler_gave_up_is_never_written(tmp_path, monkeypatc
         assert lane._cancelled == set() and lane._queued == set()
     finally:
         lane.shutdown()
+
+
+# ---- the index off the step -------------------------------------------------------------------------
+
+
+class _GatedConnection:
+    """An index connection whose transactions wait for ``gate`` and note their thread; the first
+    ``fail`` of them raise as a locked database does."""
+
+    def __init__(self, db, gate, fail: int = 0) -> None:
+        import threading
+
+        self.db, self.gate, self.fail, self.threads = db, gate, fail, []
+        self._lock = threading.Lock()
+
+    def __enter__(self):
+        import sqlite3
+        import threading
+
+        self.threads.append(threading.current_thread())
+        assert self.gate.wait(30)
+        with self._lock:
+            if self.fail:
+                self.fail -= 1
+                raise sqlite3.OperationalError("database is locked")
+        return self.db.__enter__()
+
+    def __exit__(self, *exc):
+        return self.db.__exit__(*exc)
+
+    def __getattr__(self, name):
+        return getattr(self.db, name)
+
+
+def test_the_index_commits_off_the_schedulers_thread_and_retries_what_failed(tmp_path):
+    """A step's rows are handed to the index's own writer: the scheduler's thread never waits
+    for the drive (the commit here waits for a gate the test opens only after ``flush``
+    returned). A commit that fails (a locked database) is written with the next one."""
+    import threading
+
+    folder = tmp_path / "tier"
+    folder.mkdir(mode=0o700)
+    index = _index(folder)
+    gate = threading.Event()
+    gated = index._db = _GatedConnection(index._db, gate, fail=1)
+    try:
+        index.reserve(["a"], {"a": (1, 0, 1.0)})
+        index.confirm(["a"])
+        index.flush()  # returns with the gate closed: the commit is not on this thread
+        gate.set()
+        index.wait_written()
+        assert index.rows() == []  # the first commit failed
+        index.reserve(["b"], {"b": (2, 0, 1.0)})
+        index.confirm(["b"])
+        index.flush()
+        assert sorted(key for key, _ in index.rows()) == ["a", "b"]
+        assert gated.threads and threading.current_thread() not in gated.threads
+    finally:
+        index._db = gated.db
+        index.close()
+    reopened = _index(folder)
+    try:
+        assert reopened.restored == 2
+    finally:
+        reopened.close()

@@ -3,18 +3,27 @@ files (:mod:`kvstride.arena.disk`), every record allocation and eviction, and th
 as the arena's :class:`kvstride.arena.index.SlotIndex` (a key is readable once every rank
 wrote it; records read by a load in flight are pinned; eviction in
 :class:`kvstride.capacity.PrefixOrder`). The readable keys persist in a SQLite database next
-to the records (WAL journal, one transaction a step), so that a restarted engine hits what the
-last one stored; the workers check every record's header and bytes when they read it, so a
-row whose record was torn or overwritten is a miss, never wrong bytes.
+to the records (WAL journal, one transaction a step, committed on a thread of its own: vLLM's
+scheduler never waits for the drive), so that a restarted engine hits what the last one
+stored; the workers check every record's header and bytes when they read it, so a row whose
+record was torn or overwritten is a miss, never wrong bytes.
+
+What a restart may lose (misses only, never wrong bytes): after a SIGKILL, the rows of the
+steps whose transaction had not committed yet (a step or a few: the records they name are
+written, and are written over later); after a power loss, also the last transactions SQLite
+had not synced (``synchronous=NORMAL``) and records the drive had not written (the file is not
+synced either), whose rows then name torn or older bytes: their headers do not match, a miss.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import fcntl
 import json
 import logging
 import os
 import sqlite3
+import threading
 from typing import Dict, List, Sequence
 
 from kvstride.arena.disk import open_private
@@ -50,6 +59,10 @@ class DiskIndex(SlotIndex):
             os.close(self._lock_fd)
             raise ValueError(f"disk_path={folder!r} is in use by another engine: give each engine a folder of its "
                              "own (kv_connector_extra_config['disk_path'])") from None
+        # Commits run here, in step order: the scheduler's thread only hands them over.
+        self._writer = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kvstride-disk-index")
+        self._unwritten: Dict[str, tuple] = {}  # rows a failed commit left, for the next one
+        self._unwritten_lock = threading.Lock()
         try:
             self._db = self._open_db()
             self._pending: Dict[str, tuple] = {}  # key -> its row to write, or () to delete
@@ -67,6 +80,7 @@ class DiskIndex(SlotIndex):
             self._pending = {}
             self.restored = self._restore(json.dumps(dict(signature, format=FORMAT), sort_keys=True))
         except BaseException:
+            self._writer.shutdown(wait=False)
             os.close(self._lock_fd)
             raise
 
@@ -121,11 +135,17 @@ class DiskIndex(SlotIndex):
         self._pending[key] = ()
 
     def flush(self) -> None:
-        """Write this step's changes in one transaction (a failure is logged: the rows are
-        written with the next step's, or lost, which costs hits, never bytes)."""
-        if not self._pending:
-            return
-        pending, self._pending = self._pending, {}
+        """Hand this step's changes to the index's writer, which commits them in one
+        transaction (a failure is logged: the rows are written with a later step's, or lost,
+        which costs hits, never bytes)."""
+        if self._pending:
+            pending, self._pending = self._pending, {}
+            self._writer.submit(self._commit, pending)
+
+    def _commit(self, pending: Dict[str, tuple]) -> None:
+        """(The writer's thread) ``pending``, after what an earlier failed commit left."""
+        with self._unwritten_lock:
+            pending, self._unwritten = {**self._unwritten, **pending}, {}
         rows = [row for row in pending.values() if row]
         gone = [(key,) for key, row in pending.items() if not row]
         try:
@@ -135,17 +155,23 @@ class DiskIndex(SlotIndex):
                 self._db.executemany("INSERT OR REPLACE INTO records VALUES (?, ?, ?, ?, ?)", rows)
         except sqlite3.Error as err:
             log.warning("kvstride: the disk tier's index could not be written (%s); retried next step", err)
-            for key, row in pending.items():
-                self._pending.setdefault(key, row)
+            with self._unwritten_lock:  # newer rows of the same keys, handed over meanwhile, win
+                self._unwritten = {**pending, **self._unwritten}
+
+    def wait_written(self) -> None:
+        """Wait until every change handed over so far is committed (or failed)."""
+        self._writer.submit(lambda: None).result()
 
     def close(self) -> None:
         if self._lock_fd < 0:
             return
         self.flush()
+        self._writer.shutdown(wait=True)
         self._db.close()
         os.close(self._lock_fd)  # the lock goes with it (and with the process, however it ends)
         self._lock_fd = -1
 
     def rows(self) -> List[tuple]:
-        """The persisted rows (tests)."""
+        """The persisted rows, once what was handed over is committed (tests)."""
+        self.wait_written()
         return list(self._db.execute("SELECT key, slot FROM records ORDER BY slot"))
