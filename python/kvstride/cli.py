@@ -413,8 +413,8 @@ def simulate_trace(args) -> int:
 
 # ---- bench -----------------------------------------------------------------------------------
 
-# (script, arguments for a quick run): each prints a markdown table with its ratio column.
-#: The benches ``kvstride bench`` runs: (script, its --quick arguments, the modules it needs).
+#: The benches ``kvstride bench`` runs, each printing a markdown table with its ratio column:
+#: (script, its --quick arguments, the modules it needs).
 BENCHES = (
     ("keypath.py", ["--repeat", "5"], ("cbor2",)),
     ("transfer.py", ["--threads", "1", "--reps", "7"], ()),

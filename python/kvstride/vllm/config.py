@@ -281,7 +281,7 @@ def model_identity(vllm_config, extra: dict) -> str:
     weights = _weights_identity(vllm_config, extra, path)
     if not getattr(model, "trust_remote_code", False):
         return weights
-    if path is None or not path.is_dir():  # already warned: unverified weights, unverified code
+    if path is None or not path.is_dir():  # the code is not on this host to read: keyed as such
         return weights + "+code:unverified"
     return weights + "+code:" + code_digest(path)
 
