@@ -361,6 +361,29 @@ def test_simulate_without_torch_names_an_install_that_works():
     assert done.stderr.strip().splitlines() == [one_line]
 
 
+# Runs the CLI as if the mooncake package were not installed: find_spec finds no such package.
+WITHOUT_MOONCAKE = textwrap.dedent(
+    """
+    import importlib.util
+    import sys
+
+    real = importlib.util.find_spec
+    importlib.util.find_spec = lambda name, *args: None if name.partition(".")[0] == "mooncake" else real(name, *args)
+    from kvstride.cli import main
+    sys.exit(main(sys.argv[1:]))
+    """
+)
+
+
+def test_simulate_on_mooncake_without_mooncake_is_one_line_naming_the_install():
+    done = subprocess.run([sys.executable, "-c", WITHOUT_MOONCAKE, "simulate", "--store", "mooncake", "--quiet"],
+                          env=ENV, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2, done
+    assert done.stderr.strip().splitlines() == [
+        "kvstride simulate: --store mooncake: the Mooncake store needs the mooncake package, which is not "
+        "installed: pip install mooncake-transfer-engine-non-cuda"]
+
+
 def test_explain_needs_no_torch():
     done = _without_torch("explain", "--preset", "llama")
     assert done.returncode == 0, done.stderr

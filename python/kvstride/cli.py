@@ -352,6 +352,12 @@ def simulate(mix: Mix, args) -> int:
         progress=not args.json and not args.quiet,
     )
     if args.store != "embedded":
+        from kvstride.stores.mooncake_master import mooncake_missing
+
+        missing = mooncake_missing()
+        if missing:  # one line, before anything is said about the store it would start
+            print(f"kvstride simulate: --store {args.store}: {missing}", file=sys.stderr)
+            return 2
         print(f"kvstride simulate: {MOONCAKE_START_LINES}", file=sys.stderr, flush=True)
     try:
         result = run_simulation(cfg)

@@ -45,6 +45,16 @@ def _port_open(host: str, port: int, timeout: float = 0.5) -> bool:
         return False
 
 
+def mooncake_missing() -> Optional[str]:
+    """What to install when the mooncake package is not installed, else None (a command checks
+    it before it says anything about the store it would start)."""
+    try:
+        _mooncake_dir()
+    except MooncakeDependencyError as err:
+        return str(err)
+    return None
+
+
 def _mooncake_dir() -> str:
     spec = importlib.util.find_spec("mooncake")
     if spec is None or not spec.submodule_search_locations:
