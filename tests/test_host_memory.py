@@ -116,7 +116,7 @@ def test_a_refused_registration_names_the_cuda_error(monkeypatch):
             return 2  # cudaErrorMemoryAllocation
 
     monkeypatch.setattr(host_memory, "_cudart", Refusing)
-    with pytest.raises(RuntimeError, match="the staging pool: cudaHostRegister of 1048576 bytes failed with CUDA error 2"):
+    with pytest.raises(RuntimeError, match="the staging pool: cudaHostRegister of 1 MiB failed with CUDA error 2"):
         StagingPool(1 << 20, pin=True)
 
 

@@ -361,8 +361,8 @@ def test_the_disk_tier_is_checked_at_construction(llama_dir, tmp_path):
         ({"disk_path": folder}, "has 'disk_path' but not 'disk_bytes'"),
         ({"disk_bytes": "1GiB"}, "has 'disk_bytes' but not 'disk_path'"),
         ({"disk_path": str(tmp_path / "missing"), "disk_bytes": "1GiB"}, "is not a folder"),
-        ({"disk_path": folder, "disk_bytes": "1000TiB"}, "does not fit"),
-        ({"disk_path": folder, "disk_bytes": "12"}, "holds no record"),
+        ({"disk_path": folder, "disk_bytes": "1000TiB"}, r"disk_bytes=1000 TiB does not fit .*: [0-9.]+ [KMGT]iB free"),
+        ({"disk_path": folder, "disk_bytes": "12"}, r"disk_bytes=12 B holds no record of [0-9.]+ KiB"),
         ({"disk_path": folder, "disk_bytes": "lots"}, "disk_bytes 'lots' is not a size"),
         ({"store": "mooncake", "disk_path": folder, "disk_bytes": "1GiB"}, "embedded store's disk tier"),
     ]:

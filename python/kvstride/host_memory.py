@@ -18,6 +18,8 @@ import threading
 
 import torch
 
+from kvstride.mooncake_config import format_size
+
 __all__ = ["host_buffer", "pinned_bytes"]
 
 log = logging.getLogger("kvstride")
@@ -65,7 +67,7 @@ def _region_type(nbytes: int):
             cudart = _cudart()
             error = int(cudart.cudaHostRegister(ctypes.addressof(self), nbytes, 0))
             if error != 0:
-                raise RuntimeError(f"{what}: cudaHostRegister of {nbytes} bytes failed with CUDA error {error} "
+                raise RuntimeError(f"{what}: cudaHostRegister of {format_size(nbytes)} failed with CUDA error {error} "
                                    "(the host's locked-memory limit, ulimit -l, or the device's state)")
             self._cudart = cudart
             with _pinned_lock:

@@ -135,6 +135,17 @@ def parse_size(value: Any, name: str = "size") -> int:
     return int(value)
 
 
+def format_size(nbytes: int) -> str:
+    """``nbytes`` as a person reads it, in the units ``parse_size`` takes: "64 MiB", "1.5 GiB",
+    "4 KiB"; bytes below 1 KiB as they are."""
+    value, unit = float(nbytes), "B"
+    for bigger in ("KiB", "MiB", "GiB", "TiB", "PiB"):
+        if abs(value) < 1024:
+            break
+        value, unit = value / 1024, bigger
+    return f"{int(value)} B" if unit == "B" else f"{value:.2f}".rstrip("0").rstrip(".") + f" {unit}"
+
+
 def resolve_local_hostname(
     configured: Optional[str], segment_bytes: int, environ: Optional[Mapping[str, str]] = None, name: str = "local_hostname"
 ) -> Optional[str]:

@@ -30,6 +30,7 @@ from typing import List, Optional, Sequence, Tuple
 import numpy as np
 
 from kvstride import _core
+from kvstride.mooncake_config import format_size
 from kvstride.stores.base import HEADER_BYTES, KVStore
 
 __all__ = ["DISK_ALIGN", "DiskSpec", "DiskRecords", "DiskLane", "record_bytes", "check_disk_folder",
@@ -86,8 +87,8 @@ def check_disk_folder(path: str, disk_bytes: int, existing: int = 0) -> str:
                          "(kv_connector_extra_config['disk_path'])")
     free = shutil.disk_usage(path).free
     if disk_bytes - existing > free:
-        raise ValueError(f"disk_bytes={disk_bytes} does not fit disk_path={path!r}: {free / 2**30:.1f} GiB free "
-                         f"(and {existing / 2**30:.1f} GiB in its records already); give a smaller disk_bytes")
+        raise ValueError(f"disk_bytes={format_size(disk_bytes)} does not fit disk_path={path!r}: {format_size(free)} free "
+                         f"(and {format_size(existing)} in its records already); give a smaller disk_bytes")
     return path
 
 
@@ -198,7 +199,7 @@ class DiskRecords:
                     os.posix_fallocate(fd, 0, size)
                 except OSError as err:
                     if err.errno == errno.ENOSPC:
-                        raise ValueError(f"disk_bytes: {size} bytes of records do not fit {os.path.dirname(path)!r} "
+                        raise ValueError(f"disk_bytes: {format_size(size)} of records do not fit {os.path.dirname(path)!r} "
                                          "(no space left): give a smaller disk_bytes") from None
                     if err.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
                         raise

@@ -10,6 +10,7 @@ from typing import Optional
 
 import numpy as np
 
+from kvstride.mooncake_config import format_size
 from kvstride.stores.base import KVStore, Status, _copy_parts
 
 __all__ = ["EmbeddedStore"]
@@ -111,7 +112,8 @@ class EmbeddedStore(KVStore):
         self._index = SlotIndex(count)
         records = self._disk_bytes // record
         if records < 1:
-            raise ValueError(f"disk_bytes={self._disk_bytes} holds no record of {record} bytes; give at least {record}")
+            raise ValueError(f"disk_bytes={format_size(self._disk_bytes)} holds no record of {format_size(record)}; "
+                             f"give at least {format_size(record)}")
         spec = DiskSpec(self._disk_path, records, payload, rank=0, ranks=1, fingerprint=self.fingerprint)
         self._disk_index = DiskIndex(records, self._disk_path, {
             "record_bytes": record, "ranks": 1, "fingerprint": self.fingerprint.hex(),

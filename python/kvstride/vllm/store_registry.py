@@ -18,7 +18,7 @@ from typing import Dict, Optional, Sequence, Tuple
 from kvstride.arena import ArenaPlacement, ArenaSlots, slots_for
 from kvstride.arena.disk import DISK_ALIGN, DiskSpec, check_disk_folder, existing_records_bytes, record_bytes
 from kvstride.arena.disk_index import DiskIndex
-from kvstride.mooncake_config import parse_size, resolve_client_config
+from kvstride.mooncake_config import format_size, parse_size, resolve_client_config
 from kvstride.stores import KVStore, MooncakeStore
 from kvstride.stores.placement import StorePlacement
 from kvstride.transfer import StagingPool, Transfer, header_room_for, staging_bytes_for
@@ -95,8 +95,8 @@ def choose_disk(extra: dict, slot_bytes: int, tp_size: int) -> Optional[DiskChoi
     disk_bytes = parse_size(extra["disk_bytes"], "disk_bytes")
     payload, record = record_bytes(slot_bytes)
     if disk_bytes < record:
-        raise ValueError(f"disk_bytes={disk_bytes} holds no record of {record} bytes; give at least {record} "
-                         "(kv_connector_extra_config['disk_bytes'])")
+        raise ValueError(f"disk_bytes={format_size(disk_bytes)} holds no record of {format_size(record)}; give at "
+                         f"least {format_size(record)} (kv_connector_extra_config['disk_bytes'])")
     num_records = disk_bytes // record
     # What this tier's files hold already is reused, not needed again.
     path = check_disk_folder(extra["disk_path"], num_records * record * tp_size,
