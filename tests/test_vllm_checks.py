@@ -152,11 +152,14 @@ def test_vllm_default_shares_with_one_warning(monkeypatch, warnings_seen, seed):
     assert msg == hash_portability_warning(config())
 
 
-def test_warning_once_per_process(seed0, warnings_seen):
-    for algo in ("sha256", "xxhash", "sha256", "sha256_cbor", None):
+def test_warning_once_per_engine_from_its_scheduler(seed0, warnings_seen):
+    """An engine's scheduler says it once, its workers never; hashes of canonical CBOR not."""
+    for algo in ("sha256_cbor", "xxhash_cbor"):
         check_reproducible_hashes(config(algo), shared=True)
+    assert warnings_seen == []
     tp2 = config("sha256", parallel_config=ParallelConfig(tensor_parallel_size=2))
-    check_reproducible_hashes(tp2, shared=True)
+    for worker in (True, True, False, False):
+        check_reproducible_hashes(tp2, shared=True, worker=worker)
     assert len(warnings_seen) == 1 and "'sha256' pickles" in warnings_seen[0]
 
 

@@ -213,9 +213,23 @@ def test_the_weights_are_read_by_the_scheduler_only(llama_dir, monkeypatch):
 
 def test_a_checkpoint_not_on_this_host_is_named_in_one_warning(warnings_seen, monkeypatch):
     monkeypatch.setattr(checks, "_warned_keys", set())
+    config = vllm_config("no-such-org/no-such-model")
     for _ in range(2):
-        keys(vllm_config("no-such-org/no-such-model"))
+        keys(config)
     assert len([m for m in warnings_seen if "model_identity" in m and "no-such-model" in m]) == 1
+
+
+def test_configuration_warnings_come_once_per_engine_from_its_scheduler(llama_dir, fresh_warnings, warnings_seen):
+    """An engine's scheduler says each warning once; its workers (a process each under ``mp``)
+    say none; a second engine in the same process says it again."""
+    extra = {"store": "mooncake", "allow_weak_hash": True}
+    first, second = (vllm_config(llama_dir, extra, tp=2, algo="xxhash_cbor") for _ in range(2))
+    for worker in (True, True):
+        resolve_config(first, kv_cache_config(), worker=worker)
+    assert warnings_seen == []
+    for config in (first, first, second):
+        resolve_config(config, kv_cache_config(), worker=False)
+    assert len([m for m in warnings_seen if "allow_weak_hash" in m]) == 2, warnings_seen
 
 
 def test_dummy_weights_are_identified_by_their_config(llama_dir, tmp_path):
@@ -239,8 +253,9 @@ def fresh_warnings(monkeypatch):
 def test_weak_hash_refused_on_a_shared_store(llama_dir, fresh_warnings, warnings_seen, algo):
     with pytest.raises(ValueError, match="sha256_cbor.*allow_weak_hash"):
         keys(vllm_config(llama_dir, algo=algo))
+    engine = vllm_config(llama_dir, {"store": "mooncake", "allow_weak_hash": True}, algo=algo)
     for _ in range(2):
-        keys(vllm_config(llama_dir, {"store": "mooncake", "allow_weak_hash": True}, algo=algo))
+        keys(engine)
     assert len([m for m in warnings_seen if "allow_weak_hash" in m]) == 1
     keys(vllm_config(llama_dir, {"store": "embedded"}, algo=algo))  # one engine's own memory: no neighbour
     with pytest.raises(ValueError, match="allow_weak_hash"):

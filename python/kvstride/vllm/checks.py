@@ -72,7 +72,7 @@ _FIX = (
 #: block that collides with another prefix's hash.
 WEAK_HASH_ALGOS = ("xxhash", "xxhash_cbor")
 
-_warned_keys: set = set()  # what warn_once logged in this process
+_warned_keys: set = set()  # (what, engine) warn_once logged in this process
 _warned_lock = threading.Lock()
 
 SECRET_ON_TCP = (
@@ -140,17 +140,18 @@ def hash_portability_warning(vllm_config) -> Optional[str]:
     )
 
 
-def warn_once(key: str, message: str, *args) -> None:
-    """Log ``message`` once per process for ``key`` (not once per connector: a scheduler and
-    every worker build one)."""
+def warn_once(key: str, message: str, *args, engine=None) -> None:
+    """Log ``message`` once for ``key`` and ``engine`` (its ``VllmConfig``: once per engine
+    where a process runs several). The configuration's warnings are the scheduler side's alone
+    (``worker`` below): an engine says each once, however many worker processes it has."""
     with _warned_lock:
-        if key in _warned_keys:
+        if (key, id(engine)) in _warned_keys:
             return
-        _warned_keys.add(key)
+        _warned_keys.add((key, id(engine)))
     log.warning(message, *args)
 
 
-def check_reproducible_hashes(vllm_config, shared: bool) -> None:
+def check_reproducible_hashes(vllm_config, shared: bool, worker: bool = False) -> None:
     """For a ``shared`` store (it outlives this engine or other engines use it): raise
     ``ValueError`` if vLLM's block hashes under ``vllm_config`` and ``os.environ`` could never
     match another engine's (a random NONE_HASH seed), naming the setting and its fix; otherwise
@@ -165,8 +166,8 @@ def check_reproducible_hashes(vllm_config, shared: bool) -> None:
             "between them, so it would never hit: " + "; and ".join(problems)
         )
     warning = hash_portability_warning(vllm_config)
-    if warning is not None:
-        warn_once("portability", "%s", warning)
+    if warning is not None and not worker:
+        warn_once("portability", "%s", warning, engine=vllm_config)
 
 
 def warn_disk_not_reusable(vllm_config) -> None:
@@ -175,10 +176,10 @@ def warn_disk_not_reusable(vllm_config) -> None:
     problems = hash_reproducibility_problems(vllm_config)
     if problems:
         warn_once("disk-restarts", "kvstride: a restarted engine will not hit this disk tier's records: %s",
-                  "; and ".join(problems))
+                  "; and ".join(problems), engine=vllm_config)
 
 
-def check_strong_hash(vllm_config, extra: dict) -> None:
+def check_strong_hash(vllm_config, extra: dict, worker: bool = False) -> None:
     """A store shared across engines (Mooncake) with a non-cryptographic block hash is a
     ``ValueError`` naming the fix, unless ``extra["allow_weak_hash"]`` is ``true`` (a
     single-tenant choice, logged once per process)."""
@@ -186,7 +187,7 @@ def check_strong_hash(vllm_config, extra: dict) -> None:
     if not isinstance(allow, bool):
         raise ValueError(f"kv_connector_extra_config['allow_weak_hash']={allow!r}: use true or false")
     algo = _algo(vllm_config)
-    if algo not in WEAK_HASH_ALGOS:
+    if algo not in WEAK_HASH_ALGOS or (allow and worker):
         return
     if not allow:
         raise ValueError(
@@ -200,15 +201,16 @@ def check_strong_hash(vllm_config, extra: dict) -> None:
         "weak-hash",
         "kvstride: allow_weak_hash: prefix_caching_hash_algo=%r on a shared store; a prompt crafted to collide "
         "with another prefix's block hash makes every engine of the store load its KV for that prefix", algo,
+        engine=vllm_config,
     )
 
 
-def warn_secret_on_tcp() -> None:
-    """Log :data:`SECRET_ON_TCP` once per process."""
-    warn_once("secret-on-tcp", "%s", SECRET_ON_TCP)
+def warn_secret_on_tcp(engine=None) -> None:
+    """Log :data:`SECRET_ON_TCP` once per engine."""
+    warn_once("secret-on-tcp", "%s", SECRET_ON_TCP, engine=engine)
 
 
-def warn_unauthenticated_store() -> None:
-    """Log, once per process (not once per connector: a scheduler and every worker build one),
-    that a shared store without the deployment secret is unauthenticated."""
-    warn_once("unauthenticated", "%s", UNAUTHENTICATED)
+def warn_unauthenticated_store(engine=None) -> None:
+    """Log, once per engine, that a shared store without the deployment secret is
+    unauthenticated."""
+    warn_once("unauthenticated", "%s", UNAUTHENTICATED, engine=engine)

@@ -306,7 +306,7 @@ def _weights_identity(vllm_config, extra: dict, path) -> str:
             "kvstride: the checkpoint of model %r was not found on this host, so the store's keys cannot "
             "cover its weights: an engine with other weights under this name would share its KV; set "
             "kv_connector_extra_config['model_identity'] to a tag that changes with the weights",
-            str(model.model),
+            str(model.model), engine=vllm_config,
         )
         return "unverified:" + str(model.model)
     return "weights:" + checkpoint_digest(path).digest
@@ -387,7 +387,7 @@ def resolve_config(vllm_config, kv_cache_config, worker: bool) -> ConnectorConfi
     store = choose_store(extra, kv_cache_config, max(1, int(getattr(pc, "tensor_parallel_size", 1) or 1)),
                          [g for g, per_block in enumerate(keyed) if per_block])
     if store.kind == "mooncake":
-        check_strong_hash(vllm_config, extra)
+        check_strong_hash(vllm_config, extra, worker=worker)
     # Only a store other engines share, or a disk tier that outlives this engine, can meet
     # other weights (the arena alone lives and dies with its engine).
     shared = store.kind == "mooncake" or store.disk is not None or "model_identity" in extra

@@ -191,7 +191,7 @@ def open_side_store(config, vllm_config, worker: bool):
     share what they store, so their block hashes must agree."""
     if config.store.kind == "embedded":
         disk = config.store.disk
-        if disk is not None:  # it outlives this engine, for one that computes the same hashes
+        if disk is not None and not worker:  # it outlives this engine, for one that computes the same hashes
             warn_disk_not_reusable(vllm_config)
         if worker:
             spec = None if disk is None else DiskSpec(
@@ -202,11 +202,12 @@ def open_side_store(config, vllm_config, worker: bool):
             "record_bytes": disk.record_bytes, "ranks": config.world_size, "fingerprint": config.fingerprint,
             "model": config.model_identity})
         return ArenaPlacement(config.store.num_slots, index, config.world_size), None
-    check_reproducible_hashes(vllm_config, shared=True)
-    if config.secret is None:
-        warn_unauthenticated_store()
-    elif resolve_client_config(config.extra).protocol == "tcp":
-        warn_secret_on_tcp()
+    check_reproducible_hashes(vllm_config, shared=True, worker=worker)
+    if not worker:  # the engine's warnings are its scheduler's
+        if config.secret is None:
+            warn_unauthenticated_store(vllm_config)
+        elif resolve_client_config(config.extra).protocol == "tcp":
+            warn_secret_on_tcp(vllm_config)
     client = make_store(config.extra, bytes.fromhex(config.fingerprint), config.secret)
     return (client if worker else StorePlacement(client)), client
 
