@@ -72,11 +72,12 @@ def _save(scheduler, worker, rid: str, prompt: int = 0) -> bool:
 def test_a_disabled_store_is_a_miss_until_the_worker_reports_it_back(monkeypatch, tmp_path):
     master = start_master(log_dir=str(tmp_path))
     extra = {"store": "mooncake", "mooncake_master": master.address, "mooncake_segment_bytes": 32 << 20,
-             "mooncake_local_buffer_bytes": 16 << 20, "mooncake_local_hostname": "127.0.0.1", "model_identity": "disabled-test", "staging_bytes": 4 << 20}
+             "mooncake_local_buffer_bytes": 16 << 20, "mooncake_local_hostname": "127.0.0.1",
+             "model_identity": "disabled-test", "staging_bytes": 4 << 20}
     config = vllm_config("tiny", extra)
     kv = kv_cache_config()
     scheduler_config, worker_config = (resolve_config(config, kv, worker=w) for w in (False, True))
-    worker_store, shared = open_side_store(worker_config, config, True)
+    worker_store, _ = open_side_store(worker_config, config, True)
     placement, _ = open_side_store(scheduler_config, config, False)  # the same client: one process
     scheduler = SchedulerSide(scheduler_config, placement)
     healthy = WorkerSide(worker_config, worker_store, config, kv)
@@ -88,9 +89,10 @@ def test_a_disabled_store_is_a_miss_until_the_worker_reports_it_back(monkeypatch
         assert scheduler.get_num_new_matched_tokens(_request("b"), 0) == (4 * BLOCK, True)
 
         master.kill()
-        assert worker_store.exists(["probe"]) == [False]  # the client learns the master is down
-        disabled = WorkerSide(worker_config, worker_store, config, kv)  # a worker starting meanwhile
-        disabled.register_kv_caches(_kv_caches())
+        disabled, caches = WorkerSide(worker_config, worker_store, config, kv), _kv_caches()  # starting meanwhile
+        # The client learns the master is down, and refuses registrations for a second after.
+        assert worker_store.exists(["probe"]) == [False]
+        disabled.register_kv_caches(caches)
         assert disabled.engine is None
         master.restart()
         # The master came back empty: the healthy worker stores a new prompt (its client reconnects).
