@@ -143,7 +143,8 @@ def _mix_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", default="0", help="hash seed (vLLM: PYTHONHASHSEED)")
     parser.add_argument(
         "--model",
-        help="a model's geometry instead of --preset / --groups: a name shipped in python/kvstride/models "
+        help="a model's geometry instead of --preset / --groups: its checkpoint folder, its config.json or a "
+        "Hugging Face id in the local cache (attention models), a name shipped in python/kvstride/models "
         "(qwen3-next-80b, gemma-3-27b, gpt-oss-120b, nemotron-h) or a JSON file of that form",
     )
     parser.add_argument("--namespace", default="demo-model", help="the model name in the key namespace")

@@ -122,13 +122,22 @@ def list_models() -> List[str]:
 
 
 def load_model(name_or_path: str) -> ModelGeometry:
+    """A shipped geometry by name, a geometry JSON file, or a model's Hugging Face config (its
+    checkpoint folder, its ``config.json``, or a repository id in the local cache)."""
+    from kvstride.hf_geometry import config_path, geometry_document
+
+    hf_config = config_path(name_or_path)
     path = name_or_path
-    if not os.path.exists(path):
+    if hf_config is None and not os.path.exists(path):
         path = os.path.join(MODELS_DIR, f"{name_or_path}.json")
-    if not os.path.exists(path):
-        raise ValueError(f"unknown model {name_or_path!r}; use one of {', '.join(list_models())} or a JSON file")
-    with open(path) as f:
-        doc = json.load(f)
+    if hf_config is not None:
+        doc = geometry_document(hf_config)
+    elif not os.path.exists(path):
+        raise ValueError(f"unknown model {name_or_path!r}; use one of {', '.join(list_models())}, a checkpoint folder "
+                         "or its config.json, a Hugging Face id in the local cache, or a geometry JSON file")
+    else:
+        with open(path) as f:
+            doc = json.load(f)
     groups, sizes, layers = [], [], []
     for g in doc["groups"]:
         kwargs = {}
