@@ -654,3 +654,32 @@ def test_a_lora_adapter_retrained_at_the_same_name_and_path(workdir, base_env, s
     assert b["kvstride"].get("vllm:kvstride_failures", 0) == 0, b["kvstride"]
     assert _mismatches(_outputs(b["outputs"]), _outputs(plain_v2["outputs"])) == []
     assert _mismatches(_outputs(plain_v2["outputs"]), _outputs(plain_v1["outputs"])) != [], "v2 changed no output"
+
+
+def test_server_with_the_disk_tier_hits_across_a_restart(workdir, base_env, model_dirs, reference, tmp_path):
+    """``vllm serve`` with the embedded store's disk tier, as operators restart it: server A
+    computes P1 (written through to disk; P2 after it lets A's scheduler learn that the write
+    finished) and stops; server B, a new server on the same folder with an empty memory tier,
+    hits P1 from disk and matches the plain run in tokens and logprobs."""
+    name = "llama"
+    folder = tmp_path / "disk"
+    folder.mkdir()
+    connector = {"store": "embedded", "store_bytes": "8MiB", "disk_path": str(folder), "disk_bytes": "64MiB"}
+    p1, p2 = harness.prompts()
+    with served(workdir, base_env, name, model_dirs[name], connector) as a:
+        first = a.complete(p1)
+        a.drain()
+        a.complete(p2)
+        a.drain()
+        written = a.metrics()
+    assert written.get("vllm:kvstride_disk_bytes_written_total", 0) > 0, written
+    assert _mismatches({"p1": first}, reference[name]) == []
+    with served(workdir, base_env, name, model_dirs[name], connector) as b:
+        again = b.complete(p1)
+        b.drain()
+        metrics = b.metrics()
+    kvstride = {k: v for k, v in metrics.items() if k.startswith("vllm:kvstride_")}
+    assert metrics[EXTERNAL_HITS + "_total"] >= harness.PEER_HITS[name], kvstride
+    assert kvstride.get("vllm:kvstride_loads_from_disk_total", 0) >= 1, kvstride
+    assert kvstride.get("vllm:kvstride_failures_total", 0) == 0, kvstride
+    assert _mismatches({"p1": again}, reference[name]) == []
