@@ -155,8 +155,9 @@ def check_reproducible_hashes(vllm_config, shared: bool, worker: bool = False) -
     """For a ``shared`` store (it outlives this engine or other engines use it): raise
     ``ValueError`` if vLLM's block hashes under ``vllm_config`` and ``os.environ`` could never
     match another engine's (a random NONE_HASH seed), naming the setting and its fix; otherwise
-    log :func:`hash_portability_warning`, if any, once per process. Says nothing when not
-    ``shared``: within one engine the hashes always agree."""
+    log :func:`hash_portability_warning`, if any, once per engine, by its scheduler (a
+    ``worker`` logs none). Says nothing when not ``shared``: within one engine the hashes
+    always agree."""
     if not shared:
         return
     problems = hash_reproducibility_problems(vllm_config)
@@ -182,7 +183,7 @@ def warn_disk_not_reusable(vllm_config) -> None:
 def check_strong_hash(vllm_config, extra: dict, worker: bool = False) -> None:
     """A store shared across engines (Mooncake) with a non-cryptographic block hash is a
     ``ValueError`` naming the fix, unless ``extra["allow_weak_hash"]`` is ``true`` (a
-    single-tenant choice, logged once per process)."""
+    single-tenant choice, logged once per engine by its scheduler)."""
     allow = extra.get("allow_weak_hash", False)
     if not isinstance(allow, bool):
         raise ValueError(f"kv_connector_extra_config['allow_weak_hash']={allow!r}: use true or false")
