@@ -12,8 +12,6 @@ engines through ``kvstride store serve`` and the disk tier, is in ``test_vllm_se
 
 from __future__ import annotations
 
-import shutil
-
 import pytest
 
 pytest.importorskip("vllm")
@@ -238,4 +236,3 @@ def test_bindings_are_forgotten_with_their_requests(engines, block_hasher, tmp_p
     side.build_connector_meta(_prefill_step(request, TOKENS, TABLES))
     side.request_finished_all_groups(request, (TABLES[0],))
     assert side.bindings.states() == 0
-    shutil.rmtree(tmp_path / "sql")

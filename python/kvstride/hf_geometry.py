@@ -13,7 +13,6 @@ their state sizes and the hybrid block alignment are vLLM's arithmetic
 
 from __future__ import annotations
 
-import json
 import os
 from typing import Optional
 
@@ -28,10 +27,8 @@ _STATE_LAYERS = ("linear_attention", "mamba", "mamba2", "conv", "ssm", "gated_de
 
 
 def config_path(name_or_path: str) -> Optional[str]:
-    """The ``config.json`` that ``name_or_path`` names: the file, a checkpoint folder's, or a
-    cached Hugging Face repository's; None when it names none of these."""
-    if os.path.isfile(name_or_path):
-        return name_or_path if _is_hf_config(name_or_path) else None
+    """The ``config.json`` of the checkpoint folder, or of the cached Hugging Face repository,
+    that ``name_or_path`` names; None when it names neither (a file names itself)."""
     folder = name_or_path if os.path.isdir(name_or_path) else None
     if folder is None and "/" in name_or_path and not name_or_path.endswith(".json"):
         from kvstride.identity import local_checkpoint
@@ -43,22 +40,14 @@ def config_path(name_or_path: str) -> Optional[str]:
     return None
 
 
-def _is_hf_config(path: str) -> bool:
-    try:
-        with open(path) as f:
-            doc = json.load(f)
-    except (OSError, ValueError):
-        return False
-    return isinstance(doc, dict) and "groups" not in doc and "num_hidden_layers" in doc.get("text_config", doc)
-
-
-def geometry_document(path: str, name: Optional[str] = None) -> dict:
-    """A geometry document (the form of ``python/kvstride/models/*.json``) from the Hugging Face
-    config at ``path``; ``ValueError`` naming what it cannot derive."""
-    with open(path) as f:
-        outer = json.load(f)
+def geometry_document(outer: dict, path: str) -> dict:
+    """A geometry document (the form of ``python/kvstride/models/*.json``) from ``outer``, the
+    Hugging Face config read from ``path``; ``ValueError`` naming what it cannot derive."""
     cfg = outer.get("text_config") or outer  # a multimodal model's language model
-    name = name or outer.get("_name_or_path") or os.path.basename(os.path.dirname(os.path.abspath(path)))
+    if "num_hidden_layers" not in cfg:
+        raise ValueError(f"{path}: neither a geometry (it has no 'groups') nor a Hugging Face config (no "
+                         "num_hidden_layers)")
+    name = outer.get("_name_or_path") or os.path.basename(os.path.dirname(os.path.abspath(path)))
     layers = int(cfg["num_hidden_layers"])
     dtype = str(cfg.get("torch_dtype") or cfg.get("dtype") or outer.get("torch_dtype") or "bfloat16")
     if dtype not in _DTYPE_BYTES:

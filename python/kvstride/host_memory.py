@@ -60,7 +60,7 @@ def _region_type(nbytes: int):
     the mapping it was made from)."""
 
     class Region(ctypes.c_uint8 * nbytes):
-        _cudart = None
+        _registered_with = None  # the CUDA runtime that page-locked it, which unregisters it
 
         def register(self, what: str) -> None:
             global _pinned
@@ -69,18 +69,18 @@ def _region_type(nbytes: int):
             if error != 0:
                 raise RuntimeError(f"{what}: cudaHostRegister of {format_size(nbytes)} failed with CUDA error {error} "
                                    "(the host's locked-memory limit, ulimit -l, or the device's state)")
-            self._cudart = cudart
+            self._registered_with = cudart
             with _pinned_lock:
                 _pinned += nbytes
-            log.info("kvstride: %s pinned, %.1f MiB (page-locked: exactly its size)", what, nbytes / (1 << 20))
+            log.info("kvstride: %s pinned, %s (page-locked: exactly its size)", what, format_size(nbytes))
 
         def __del__(self) -> None:
             global _pinned
-            if self._cudart is None:
+            if self._registered_with is None:
                 return
             with _pinned_lock:
                 _pinned -= nbytes
-            error = int(self._cudart.cudaHostUnregister(ctypes.addressof(self)))
+            error = int(self._registered_with.cudaHostUnregister(ctypes.addressof(self)))
             if error != 0:
                 log.warning("kvstride: cudaHostUnregister failed with CUDA error %s", error)
 

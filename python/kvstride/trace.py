@@ -126,18 +126,16 @@ def load_model(name_or_path: str) -> ModelGeometry:
     checkpoint folder, its ``config.json``, or a repository id in the local cache)."""
     from kvstride.hf_geometry import config_path, geometry_document
 
-    hf_config = config_path(name_or_path)
-    path = name_or_path
-    if hf_config is None and not os.path.exists(path):
+    path = config_path(name_or_path) or name_or_path
+    if not os.path.exists(path):
         path = os.path.join(MODELS_DIR, f"{name_or_path}.json")
-    if hf_config is not None:
-        doc = geometry_document(hf_config)
-    elif not os.path.exists(path):
+    if not os.path.exists(path):
         raise ValueError(f"unknown model {name_or_path!r}; use one of {', '.join(list_models())}, a checkpoint folder "
                          "or its config.json, a Hugging Face id in the local cache, or a geometry JSON file")
-    else:
-        with open(path) as f:
-            doc = json.load(f)
+    with open(path) as f:
+        doc = json.load(f)
+    if "groups" not in doc:  # a Hugging Face config
+        doc = geometry_document(doc, path)
     groups, sizes, layers = [], [], []
     for g in doc["groups"]:
         kwargs = {}

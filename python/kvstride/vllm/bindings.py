@@ -26,6 +26,7 @@ from collections import OrderedDict
 from typing import Dict, List, Optional, Tuple
 
 from kvstride.identity import checkpoint_digest, local_checkpoint
+from kvstride.vllm.checks import warn_once
 
 __all__ = ["RequestBindings", "mm_item_digest", "PLANNER_MEMORY", "ADAPTER_MEMORY"]
 
@@ -56,22 +57,16 @@ class RequestBindings:
         self._adapters: "OrderedDict[Tuple, Optional[str]]" = OrderedDict()
         self._planners: "OrderedDict[str, List]" = OrderedDict()
         self._of_request: Dict[str, Optional[List]] = {}
-        self._warned: set = set()
 
-    def bind(self, request) -> Optional[List]:
-        """Compute and keep ``request``'s planners (vLLM hands the request over with its
-        multimodal data, which it may drop once scheduled)."""
+    def of(self, request) -> Optional[List]:
+        """``request``'s planners, computed once and kept: at its arrival, since vLLM hands the
+        request over with its multimodal data, which it may drop once scheduled."""
         rid = request.request_id
         if rid not in self._of_request:
             self._of_request[rid] = self._planners_of(request)
             if self._of_request[rid] is None:
                 self._count("requests_unbound")
         return self._of_request[rid]
-
-    def of(self, request) -> Optional[List]:
-        """``request``'s planners, bound at its arrival (or now)."""
-        planners = self._of_request.get(request.request_id, self)
-        return self.bind(request) if planners is self else planners
 
     def of_id(self, rid: str) -> Optional[List]:
         """The planners a request was bound to (the engine's own for one never seen)."""
@@ -95,8 +90,8 @@ class RequestBindings:
             features = getattr(request, "mm_features", None) or ()
             if features and not self._trust_mm:
                 parts.append("mm:" + _features_digest(features))
-        except _Unbound as why:
-            self._warn_once(str(why))
+        except _Unbound as why:  # said once per engine
+            warn_once(str(why), "%s", why, engine=self)
             return None
         if not parts:
             return self._base
@@ -124,11 +119,6 @@ class RequestBindings:
                 "its requests' keys cannot cover its weights: they are neither loaded nor stored"
             )
         return digest
-
-    def _warn_once(self, message: str) -> None:
-        if message not in self._warned:
-            self._warned.add(message)
-            log.warning(message)
 
 
 def _adapter_digest(path: str) -> Optional[str]:

@@ -277,9 +277,12 @@ def model_identity(vllm_config, extra: dict) -> str:
     per engine, by the scheduler's side: it plans every rank's keys."""
     model = vllm_config.model_config
     load = getattr(vllm_config, "load_config", None)
-    path = local_checkpoint(str(model.model), getattr(model, "revision", None), getattr(load, "download_dir", None))
+    reads_code = bool(getattr(model, "trust_remote_code", False))
+    path = None  # the checkpoint on this host: found only where something is read from it
+    if reads_code or extra.get("model_identity") is None:
+        path = local_checkpoint(str(model.model), getattr(model, "revision", None), getattr(load, "download_dir", None))
     weights = _weights_identity(vllm_config, extra, path)
-    if not getattr(model, "trust_remote_code", False):
+    if not reads_code:
         return weights
     if path is None or not path.is_dir():  # the code is not on this host to read: keyed as such
         return weights + "+code:unverified"

@@ -206,7 +206,7 @@ class SchedulerSide(Outcomes):
         self._requests[request.request_id] = request
         self._waiting[request.request_id] = request
         try:  # its content is read now: vLLM may drop its multimodal data once scheduled
-            self.bindings.bind(request)
+            self.bindings.of(request)
         except Exception as err:  # never into vLLM: bound when first looked up, else not offloaded
             self._log_once("bind", "kvstride: a request's adapter or multimodal content could not be read: %r", err)
 
