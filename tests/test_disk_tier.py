@@ -616,6 +616,38 @@ def test_a_disk_slower_than_the_saves_gets_what_it_can_write_and_nothing_grows(t
         place.close()
 
 
+def test_a_disk_that_starts_slow_is_measured_by_its_pace_not_by_its_first_steps(tmp_path):
+    """Each step stores 2 values; the disk (one lane, reporting a step late) writes nothing for
+    its first 8 steps (a file's first extents), then 4 a step, twice what comes. Nothing is
+    skipped: steps before its first write ended do not count as a pace of 0."""
+    import collections
+
+    from kvstride.arena.index import ArenaPlacement
+
+    folder = tmp_path / "tier"
+    folder.mkdir(mode=0o700)
+    place = ArenaPlacement(4096, disk=_index(folder, records=1 << 12), world_size=1)
+    lane, credit, skipped, reported_next_step = collections.deque(), 0, 0, {}
+    try:
+        for step in range(1, 301):
+            keys = [f"k{step}-{depth}" for depth in range(2)]
+            ranks = {key: (step, depth, 1.0) for depth, key in enumerate(keys)}
+            _, got, _ = place.place_saves([[(key, 0, 1) for key in keys]], ranks)
+            place.saves_done(got, ok=True)
+            lane.extend(place.take_disk_writes().items())
+            skipped += place.take_counts().get("disk_writes_skipped", 0)
+            place.disk_written(reported_next_step)
+            reported_next_step = {}
+            credit += 4 if step > 8 else 0
+            while lane and credit >= len(lane[0][1]):
+                job_id, entries = lane.popleft()
+                credit -= len(entries)
+                reported_next_step[job_id] = [1, 0]
+        assert skipped == 0
+    finally:
+        place.close()
+
+
 def test_a_write_job_the_scheduler_gave_up_is_never_written(tmp_path, monkeypatch):
     """A job still queued on the workers' lane when the scheduler gives it up (its slots may
     already hold other keys) is dropped unwritten; one already running finishes."""

@@ -226,16 +226,21 @@ def test_a_disk_that_does_not_answer_costs_a_load_its_deadline(model_dirs, plain
 
 WRITER = textwrap.dedent(
     """
-    import json, sys
+    import json, sys, time
     from vllm import LLM
     import vllm_harness as harness
 
     name, path, config, prompts = json.loads(sys.argv[1])
     llm = LLM(**harness.engine_kwargs(harness.MODELS[name], path, connector=config))
+    placement = llm.llm_engine.engine_core.engine_core.scheduler.connector.side.placement
     p1, p2 = harness.prompts()
     for prompt in (p1, p2):
         harness.generate(llm, prompt)
-    print("stored", flush=True)
+        deadline = time.monotonic() + 120
+        while placement._disk_jobs or placement._disk_queue:  # written through, reported
+            assert time.monotonic() < deadline, "the write-through of P1 and P2 never ended"
+            harness.generate(llm, [1] * 8, max_tokens=1)  # a step, shorter than a block: no save
+    print("stored", json.dumps(placement.take_counts()), flush=True)
     while True:  # heavy writes until killed
         for k, prompt in enumerate(prompts):
             harness.generate(llm, prompt, max_tokens=1)
@@ -263,7 +268,7 @@ def test_an_engine_killed_during_heavy_writes_leaves_no_wrong_byte(model_dirs, t
                                 env=env, stdout=subprocess.PIPE, stderr=log, text=True, start_new_session=True)
     try:
         deadline = time.monotonic() + 300
-        lines = 0
+        lines, writer_counts = 0, None
         while lines < len(fillers) + 5:  # killed in the middle of its second round of fillers
             left = deadline - time.monotonic()
             if left <= 0 or not select.select([proc.stdout], [], [], left)[0]:
@@ -271,6 +276,8 @@ def test_an_engine_killed_during_heavy_writes_leaves_no_wrong_byte(model_dirs, t
             line = proc.stdout.readline()
             if not line:  # it exited
                 break
+            if line.startswith("stored"):
+                writer_counts = json.loads(line.split(" ", 1)[1])
             lines += line.startswith("filler")
         assert lines >= len(fillers) + 5, log_path.read_text()[-3000:]
     finally:
@@ -297,5 +304,6 @@ def test_an_engine_killed_during_heavy_writes_leaves_no_wrong_byte(model_dirs, t
     finally:
         harness.close(llm)
         kv_vllm.drop_shared_stores()
+    assert not writer_counts.get("disk_writes_skipped"), writer_counts  # P1 and P2 written whole
     assert got_hits[-2] >= harness.PEER_HITS[name] and got_hits[-1] >= harness.PEER_HITS[name], got_hits
     assert harness.mismatches(dict(enumerate(got)), dict(enumerate(want))) == []

@@ -25,11 +25,12 @@ ABANDON_DISK_AFTER_STEPS = 256
 #: first (a prefix's first blocks are what every longer hit needs), and the rest stay in memory
 #: only (``disk_writes_skipped``), so that no queue grows and no slot waits on the disk for long.
 DISK_BACKLOG_STEPS = 32
-#: Records in flight at least, and before the disk's rate is measured.
+#: Records in flight at least, and until the disk completed its first write.
 DISK_IN_FLIGHT_MIN = 16
 DISK_IN_FLIGHT_START = 256
-#: Weight of a step's completions in the disk's measured rate (records a step).
-DISK_RATE_WEIGHT = 0.1
+#: The disk's rate is its completions over the steps it was busy, both decayed by this much a
+#: busy step (a window of about ten): a write that takes several steps measures its pace, not 0.
+DISK_RATE_DECAY = 0.1
 
 
 def slots_for(capacity_bytes: int, slot_bytes: int) -> int:
@@ -296,8 +297,9 @@ class ArenaPlacement:
         self._next_disk_job = 0
         self._step = 0
         self._disk_in_flight = 0  # records queued or being written (their slots held)
-        self._disk_rate: Optional[float] = None  # records the disk completes a step, measured
         self._disk_done = 0  # records completed since the last step
+        self._disk_done_decayed = 0.0  # completions in busy steps, decayed (DISK_RATE_DECAY)
+        self._disk_busy_decayed = 0.0  # busy steps, decayed alike
         self._disk_busy = False  # records were in flight at the last step's start
         self._disk_cancelled: List[int] = []  # jobs given up, for the workers to drop
         self.counts: Dict[str, int] = {}  # what the scheduler counts (take_counts)
@@ -349,9 +351,10 @@ class ArenaPlacement:
 
     def disk_budget(self) -> int:
         """Records the write-through may have in flight now (``DISK_BACKLOG_STEPS``)."""
-        if self._disk_rate is None:
+        if self._disk_done_decayed <= 0:
             return DISK_IN_FLIGHT_START
-        return max(DISK_IN_FLIGHT_MIN, int(self._disk_rate * DISK_BACKLOG_STEPS))
+        rate = self._disk_done_decayed / self._disk_busy_decayed  # records the disk completes a step
+        return max(DISK_IN_FLIGHT_MIN, int(rate * DISK_BACKLOG_STEPS))
 
     def take_counts(self) -> Dict[str, int]:
         counts, self.counts = self.counts, {}
@@ -382,9 +385,9 @@ class ArenaPlacement:
         jobs not every rank reported within ``ABANDON_DISK_AFTER_STEPS`` are given up."""
         self._step += 1
         if self._disk_busy:  # a step the disk had work all along: its pace
-            done = float(self._disk_done)
-            rate = self._disk_rate
-            self._disk_rate = done if rate is None else rate + DISK_RATE_WEIGHT * (done - rate)
+            keep = 1.0 - DISK_RATE_DECAY
+            self._disk_done_decayed = self._disk_done_decayed * keep + self._disk_done
+            self._disk_busy_decayed = self._disk_busy_decayed * keep + 1.0
         self._disk_done = 0
         self._disk_busy = self._disk_in_flight > 0
         oldest = self._step - ABANDON_DISK_AFTER_STEPS
