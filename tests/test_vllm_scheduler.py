@@ -609,3 +609,52 @@ def test_a_prompt_shorter_than_a_hash_block_is_a_quiet_miss(store, warnings_seen
         assert side.counters["lookup_errors"] == 1
     finally:
         side.shutdown()
+
+
+def _idle_step():
+    """A step that schedules nothing (the engine steps on for other reasons)."""
+    return SimpleNamespace(
+        scheduled_new_reqs=[],
+        scheduled_cached_reqs=SimpleNamespace(req_ids=[], num_computed_tokens=[], new_block_ids=[]),
+        num_scheduled_tokens={},
+        kv_connector_block_state=SimpleNamespace(get_block_ids=lambda rid: (), boundary_state_offloads={}),
+        preempted_req_ids=set(),
+        finished_req_ids=set(),
+    )
+
+
+def test_the_slots_of_a_save_job_given_up_stay_held_until_every_rank_reported_it():
+    """A save job no rank reported within ``ABANDON_AFTER_STEPS`` steps (a launch lane far
+    behind) is given up: its keys are not readable, and its arena slots go to no other save (or
+    disk read) while a late copy may still write them; once the late report comes, they are
+    free again. Eight slots: A's job is given up, B is stored, C evicts B rather than take A's
+    slots, and D, after A's late report, takes them."""
+    from kvstride.stores.placement import EVERY_RANK
+
+    planner, placement, side = _embedded_side([kvstride.GroupSpec("full_attention", BLOCK)], 8, "given-up")
+
+    def save(rid: str, first_block: int):
+        request = SimpleNamespace(request_id=rid, block_hashes=_hashes(4, rid.encode()), num_tokens=4 * BLOCK,
+                                  num_prompt_tokens=4 * BLOCK)
+        side.on_new_request(request)
+        meta = side.build_connector_meta(_prefill_step(request, 4 * BLOCK, [list(range(first_block, first_block + 4))]))
+        ((job, by_rank),) = meta.saves.items()
+        return request, job, {slot for slot, _, _ in by_rank[EVERY_RANK]}
+
+    try:
+        a, a_job, a_slots = save("a", 1)
+        for _ in range(ABANDON_AFTER_STEPS + 1):
+            side.build_connector_meta(_idle_step())
+        assert side.engine.counters["save_jobs_abandoned"] == 1
+        assert not any(placement.exists([planner.key(0, h) for h in a.block_hashes]))
+        _, b_job, b_slots = save("b", 5)
+        _report(side, [b_job], ok=1)
+        _, c_job, c_slots = save("c", 9)
+        assert not c_slots & a_slots and c_slots == b_slots  # B evicted; A's slots still held
+        _report(side, [c_job], ok=1)
+        _report(side, [a_job], ok=1)  # A's copies ended at last
+        assert side.engine.counters["save_jobs_reported_late"] == 1
+        _, _, d_slots = save("d", 13)
+        assert d_slots == a_slots
+    finally:
+        side.shutdown()

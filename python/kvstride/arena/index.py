@@ -76,6 +76,7 @@ class SlotIndex:
         self._doomed: set = set()  # dropped slots still pinned: freed when the last load ends
         self.order = PrefixOrder()  # the ready keys' eviction order
         self.evictions = 0
+        self.quarantined = 0  # slots of given-up saves a rank may still copy into
         self.version = 0  # moves whenever the ready keys change: a lookup's answer stands until then
 
     def __len__(self) -> int:
@@ -245,6 +246,25 @@ class SlotIndex:
                 del self._key_of[slot]
                 self._free.append(slot)
 
+    def quarantine(self, keys: Sequence[str]) -> List[int]:
+        """A save given up while a rank may still copy into these keys' slots: the keys are
+        neither readable nor being written (a later save of one takes another slot), and their
+        slots stay out of use until ``release``; returns those slots."""
+        held = []
+        for key in keys:
+            self._pending_ranks.pop(key, None)
+            slot = self._writing.pop(key, None)
+            if slot is not None:
+                del self._key_of[slot]
+                held.append(slot)
+        self.quarantined += len(held)
+        return held
+
+    def release(self, slots: Sequence[int]) -> None:
+        """Slots ``quarantine`` held: every copy into them ended, they are free again."""
+        self._free.extend(slots)
+        self.quarantined -= len(slots)
+
     def clear(self) -> bool:
         """Forget every ready key (``reset_prefix_cache(reset_connector=True)``); refused
         (False) while a load or a save is in flight."""
@@ -348,6 +368,16 @@ class ArenaPlacement:
         self.index.confirm(keys)
         if self.disk is not None:
             self._write_through([key for key in keys if self.index.ready_key(key)], ranks)
+
+    def saves_abandoned(self, keys: Sequence[str]) -> List[int]:
+        """A save job given up before every rank reported it: its keys are not readable, and
+        its slots stay out of use (a rank may still copy into them) until
+        ``abandoned_saves_ended`` is given what this returns."""
+        return self.index.quarantine(keys)
+
+    def abandoned_saves_ended(self, held: Sequence[int]) -> None:
+        """Every rank reported the given-up job: its copies ended, its slots are free again."""
+        self.index.release(held)
 
     def disk_budget(self) -> int:
         """Records the write-through may have in flight now (``DISK_BACKLOG_STEPS``)."""

@@ -73,6 +73,13 @@ class StorePlacement:
     def saves_done(self, keys: Sequence[str], ok: bool) -> None:
         """Nothing to do: a put that failed left nothing readable."""
 
+    def saves_abandoned(self, keys: Sequence[str]) -> list:
+        """Nothing held: each rank's puts go through its own staging, never a shared slot."""
+        return []
+
+    def abandoned_saves_ended(self, held) -> None:
+        """Nothing was held."""
+
     def place_load(self, req_id: str, per_rank: List[List[Entry]], stamp=None, worth=1.0) -> Optional[Dict[int, List[Entry]]]:
         return dict(enumerate(per_rank))
 

@@ -89,6 +89,9 @@ class SchedulerSide(Outcomes):
         self.engine = OffloadEngine(self.planner, None, placement, name="kvstride-sched",
                                     lookup_timeout_s=config.lookup_timeout_s)
         self._jobs: Dict[int, _SaveJob] = {}  # save jobs the workers have not all reported
+        # Save jobs given up before every rank reported: job id -> [ranks reported, the slots
+        # the placement holds until the rest report (their copies may still write them)].
+        self._given_up: Dict[int, list] = {}
         self._load_hits: Dict[str, int] = {}  # req id -> hit tokens of its load in flight
         self._next_job = 0
         self._step = 0  # scheduler steps (build_connector_meta calls)
@@ -390,13 +393,16 @@ class SchedulerSide(Outcomes):
         return [[entry for entry in entries if entry[0] not in known] for entries in per_rank]
 
     def _abandon_stale_jobs(self) -> None:
-        """Save jobs not every rank reported within ``ABANDON_AFTER_STEPS`` steps (a report
-        lost to a worker's error): their arena slots are freed and their saves count as
-        failed (planned again from the confirmed offset)."""
+        """Save jobs not every rank reported within ``ABANDON_AFTER_STEPS`` steps (a worker's
+        launches far behind, or a report lost to its error): their saves count as failed
+        (planned again from the confirmed offset), and their arena slots are held until every
+        rank reported the job, since a late copy may still write them; a rank that never
+        reports keeps them out of use (``save_jobs_abandoned`` less ``save_jobs_reported_late``)
+        rather than let a load read another key's bytes out of them."""
         oldest = self._step - ABANDON_AFTER_STEPS
         for job_id in [j for j, job in self._jobs.items() if job.step < oldest]:
             job = self._jobs.pop(job_id)
-            self.placement.saves_done(job.keys, ok=False)
+            self._given_up[job_id] = [job.ok + job.bad + job.deferred, self.placement.saves_abandoned(job.keys)]
             self.engine.count("save_jobs_abandoned")
             job.failed.update(rid for key in job.keys for rid in job.owners[key])
             self._finish_job(job)
@@ -407,6 +413,7 @@ class SchedulerSide(Outcomes):
         for job_id, (ok, bad, deferred) in reports.items():
             job = self._jobs.get(job_id)
             if job is None:
+                self._given_up_reported(job_id, ok + bad + deferred)
                 continue
             job.ok += ok
             job.bad += bad
@@ -420,6 +427,16 @@ class SchedulerSide(Outcomes):
             if not job.bad and not job.deferred:
                 self.lookups.remember_written(job.keys)
             self._finish_job(job)
+
+    def _given_up_reported(self, job_id: int, ranks: int) -> None:
+        given_up = self._given_up.get(job_id)
+        if given_up is None:
+            return
+        given_up[0] += ranks
+        if given_up[0] >= self.world_size:
+            del self._given_up[job_id]
+            self.placement.abandoned_saves_ended(given_up[1])
+            self.engine.count("save_jobs_reported_late")
 
     def _finish_job(self, job: "_SaveJob") -> None:
         for save, state, start, end in zip(job.saves, job.states, job.starts, job.ends):

@@ -57,6 +57,7 @@ SHOWN_WHEN_MOVED = {
     "requests_unbound": "requests_unbound",
     "pinned_bytes": "pinned_bytes",
     "disk_writes_skipped": "disk_writes_skipped",
+    "save_jobs_reported_late": "save_jobs_reported_late",
 }
 #: Stats name -> the engine operation whose total seconds it is the delta of (store calls).
 TIMED = {"load_seconds": "get", "save_seconds": "put"}
@@ -67,7 +68,7 @@ FAILURE_COUNTERS = frozenset(
     {"loads_failed", "loads_timed_out", "lookup_timeouts", "saves_failed", "load_job_errors", "save_job_errors",
      "lookup_errors", "mac_rejected", "disk_write_errors", "disk_read_errors", "disk_records_rejected", "disk_short_writes",
      "disk_loads_failed", "disk_reads_timed_out", "saves_cancelled_by_fence", "store_disabled", "fence_errors",
-     "disk_write_jobs_given_up"}
+     "disk_write_jobs_given_up", "save_jobs_abandoned"}
 )
 FAILED = "failed:"
 
@@ -167,6 +168,11 @@ SERIES = {
     "disk_writes_skipped": (
         "vllm:kvstride_disk_writes_skipped",
         "Values left in memory only because the disk tier could not keep up with the saves.",
+    ),
+    "save_jobs_reported_late": (
+        "vllm:kvstride_save_jobs_reported_late",
+        "Save jobs given up (failures outcome save_jobs_abandoned) that every rank reported later: "
+        "the arena slots they held are free again.",
     ),
     "loads_from_disk": ("vllm:kvstride_loads_from_disk", "Loads that read some blocks from the disk tier."),
     "disk_bytes_written": ("vllm:kvstride_disk_bytes_written", "Bytes written to the disk tier's records."),
