@@ -263,6 +263,9 @@ class Streams:
     def __init__(self) -> None:
         self.after = []  # per node, the nodes it directly follows
         self.labels = []
+        self.host_waits = []  # the events a host thread waited for, in order
+        self.events = []  # every event made, in order
+        self.shared_default = False  # every thread's default stream is the caller's (CUDA's legacy one)
         self.caller = Streams.Stream(self, "caller")
         self._threads = threading.local()  # each thread's current streams, as CUDA keeps them
         self._lock = threading.Lock()
@@ -272,7 +275,8 @@ class Streams:
         """The calling thread's stack of current streams: the caller's stream on the test's
         thread, a default stream of its own on any other."""
         if not hasattr(self._threads, "stack"):
-            first = self.caller if threading.current_thread() is threading.main_thread() else Streams.Stream(self, "default")
+            main = threading.current_thread() is threading.main_thread()
+            first = self.caller if main or self.shared_default else Streams.Stream(self, "default")
             self._threads.stack = [first]
         return self._threads.stack
 
@@ -289,14 +293,15 @@ class Streams:
                 self.waits.add(other.last)
 
     class Event:
-        def __init__(self, streams) -> None:
-            self.streams, self.node = streams, None
+        def __init__(self, streams, blocking: bool = False) -> None:
+            self.streams, self.node, self.blocking = streams, None, blocking
+            streams.events.append(self)
 
         def record(self, stream) -> None:
             self.node = self.streams.node(stream, "event")
 
         def synchronize(self) -> None:
-            pass
+            self.streams.host_waits.append(self.node)
 
         def query(self) -> bool:
             return False  # nothing runs in the model
@@ -356,7 +361,7 @@ class Streams:
 
         monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: self.current[-1])
         monkeypatch.setattr(torch.cuda, "stream", stream)
-        monkeypatch.setattr(torch.cuda, "Event", lambda: Streams.Event(self))
+        monkeypatch.setattr(torch.cuda, "Event", lambda blocking=False: Streams.Event(self, blocking))
         monkeypatch.setattr(device.BlockKernels, "blocks", blocks)
         monkeypatch.setattr(device.BlockKernels, "rows", rows)
         monkeypatch.setattr(device_xxh3, "launch_xxh3_rows", xxh3)
@@ -408,6 +413,39 @@ def test_a_device_save_is_ordered_against_the_callers_stream_and_its_staging(mon
         assert before(drain[k], chunks[k][1].node) and before(hash_[k], chunks[-1][1].node)
         if k:
             assert before(drain[k - 1], gather[k]) and before(hash_[k - 1], gather[k])
+
+
+def test_a_device_save_that_fails_midway_waits_for_the_chunks_it_queued(monkeypatch):
+    """A save whose third chunk's launch raises has two chunks' gathers, drains and hashes
+    queued: it waits on the host until they ended before it raises, so that its job is reported
+    failed (its slots free for another key's value) only once nothing writes them any more."""
+    from kvstride.arena import device
+
+    copier, streams, launches = _ordered_copier(monkeypatch)
+    rows = device.BlockKernels.rows
+
+    def third_fails(*args, **kwargs):
+        if len(launches["drain"]) == 2:
+            raise RuntimeError("a launch failed")
+        return rows(*args, **kwargs)
+
+    monkeypatch.setattr(device.BlockKernels, "rows", third_fails)
+    slots = np.arange(12)
+    with pytest.raises(RuntimeError, match="a launch failed"):
+        copier.save(slots, np.zeros(12, dtype=np.int64), slots + 1, digests=True)
+    queued = launches["gather"] + launches["drain"] + launches["hash"]
+    assert len(launches["drain"]) == 2 and len(launches["gather"]) == 3
+    assert any(all(streams.before(node, wait) for node in queued) for wait in streams.host_waits), streams.host_waits
+
+
+def test_the_events_a_lane_waits_for_are_blocking(monkeypatch):
+    """Every event a device save or load records is a blocking one: a lane thread waiting for
+    a host-link copy sleeps rather than spins a core."""
+    copier, streams, _ = _ordered_copier(monkeypatch)
+    slots = np.arange(12)
+    copier.save(slots, np.zeros(12, dtype=np.int64), slots + 1, digests=True)
+    copier.load(slots, np.zeros(12, dtype=np.int64), slots + 1, None, expected=np.zeros(12, dtype=np.uint64))
+    assert streams.events and all(event.blocking for event in streams.events)
 
 
 def test_a_device_load_checked_on_the_device_is_ordered(monkeypatch):
@@ -597,6 +635,28 @@ def test_a_fence_on_blocks_whose_copies_are_being_launched_waits_for_the_launch(
     assert engine.wait_idle(30) and engine.get_finished().jobs_done == {7: "ok"}
     gathers, groups = launches["gather"], launches["gathered groups"]
     assert any(streams.before(gather, later) for gather, g in zip(gathers, groups) if g == {0})
+    engine.shutdown()
+
+
+def test_a_load_into_the_slots_follows_the_callers_event_not_the_work_queued_after_it(monkeypatch):
+    """vLLM may compute on CUDA's legacy default stream, which every thread shares. A load out
+    of the arena's slots follows the work the caller queued before submitting it, and not what
+    it queued afterwards (the next forward): its copies run beside that forward."""
+    engine, streams, launches, entries = _fenced_engine(monkeypatch, "direct")
+    streams.shared_default = True
+    # The layout's tensors are on the CPU: its caller event as on CUDA, on the modelled streams.
+    monkeypatch.setattr(engine.layout, "current_stream_event", engine.store.caller_event)
+    engine.submit_planned(puts={7: entries})
+    assert engine.wait_idle(30) and engine.get_finished().jobs_done == {7: "ok"}
+    gate, begin = threading.Event(), engine._begin_scatter
+    monkeypatch.setattr(engine, "_begin_scatter", lambda job: (gate.wait(30), begin(job))[1])
+    pending = streams.launch("the caller's work before the load")
+    engine.submit_planned(gets={"r": [(slot, group, block + 10) for slot, group, block in entries]})
+    forward = streams.launch("the next forward, on the same stream")
+    gate.set()
+    assert engine.wait_idle(30) and engine.get_finished().loads_failed == {}
+    writes = launches["copy in"] + launches["scatter"]
+    assert writes and all(streams.before(pending, node) and not streams.before(forward, node) for node in writes)
     engine.shutdown()
 
 

@@ -641,10 +641,10 @@ class OffloadEngine:
 
     def _fence_unfenced(self, job: _SaveJob, entries: List[Tuple[str, int, int]]) -> None:
         """The caller's stream waits now for the reads of ``entries``' blocks that the caller
-        does not fence itself (``_SaveJob.fenced_groups``)."""
+        does not fence itself (``_SaveJob.fenced_groups``); failing closed, as ``fence``."""
         now = [block for _, group, block in entries if group not in job.fenced_groups]
         if now:
-            self.layout.fence(now)
+            self.fence(now)
 
     def _refuse_if_planning_only(self) -> None:
         if self.layout is None:
@@ -1191,8 +1191,10 @@ class OffloadEngine:
                 started = self.store.save_blocks(keys, groups, block_ids)
             else:
                 started = begin(keys, groups, block_ids, urgent=True) if on_streams else begin(keys, groups, block_ids)
-            self._fence_unfenced(job, entries)
-            self._finish_or_queue(job, entries, started, put_start)
+            try:
+                self._fence_unfenced(job, entries)
+            finally:  # copies under way are waited for before the job reports, whatever happens
+                self._finish_or_queue(job, entries, started, put_start)
         if apart:
             coming = self.layout.pending_reads.expect([block for _, _, block in apart])
             with self._lock:  # the closed check and the enqueue are one step: no launch is lost
@@ -1325,11 +1327,11 @@ class OffloadEngine:
                     yield entries, [Status.UNAVAILABLE] * len(entries)
                     return
                 try:
-                    if after is not None:
-                        self.layout.wait_event(after)
                     keys, groups, block_ids = zip(*entries)
                     get_start = time.perf_counter()
-                    statuses = self._statuses(self.store.load_blocks(keys, groups, block_ids), len(keys))
+                    # Ordered after the caller's event alone: never through this lane's (legacy
+                    # default) stream, which would queue the load behind a forward running there.
+                    statuses = self._statuses(self.store.load_blocks(keys, groups, block_ids, after=after), len(keys))
                     self._time("get", time.perf_counter() - get_start)
                 finally:
                     self._end_scatter(job)

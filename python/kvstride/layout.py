@@ -390,16 +390,12 @@ class KVLayout:
 
     def current_stream_event(self):
         """(CUDA) An event recorded on the calling thread's current stream, None on CPU: copies
-        another thread runs later wait for it (``wait_event``) to follow the work queued here."""
+        another thread runs later wait for it to follow the work queued here."""
         if not self.on_cuda:
             return None
         event = torch.cuda.Event()
         event.record(torch.cuda.current_stream(self.device))
         return event
-
-    def wait_event(self, event) -> None:
-        """(CUDA) Order the calling thread's current stream after ``event`` (no host sync)."""
-        torch.cuda.current_stream(self.device).wait_event(event)
 
     def fence(self, block_ids) -> int:
         """Order the calling thread's current stream after every save still reading one of

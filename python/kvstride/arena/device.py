@@ -269,10 +269,11 @@ def on_side_stream(stream, after=None):
 
 
 def recorded(stream) -> Optional["torch.cuda.Event"]:
-    """An event recorded on ``stream`` now (None without a stream)."""
+    """An event recorded on ``stream`` now (None without a stream). Blocking: a lane thread
+    that waits for it sleeps rather than spins a core for a whole host-link copy."""
     if stream is None:
         return None
-    event = torch.cuda.Event()
+    event = torch.cuda.Event(blocking=True)
     event.record(stream)
     return event
 
@@ -396,21 +397,30 @@ class DeviceCopier:
             into, lengths = self._slot_addresses(slots), self.block_bytes[groups]
             table = self._table(groups, block_ids, staged, staged, into, lengths // np.uint64(self.width), lengths)
             found = torch.empty(len(slots), dtype=torch.int64, device=self.device) if hashed else None
-            for part in parts:
-                self._copy_blocks(groups, block_ids, staged, part, table, True, True)
-                gathered = recorded(copies)
-                self.layout.pending_reads.add(block_ids[part], gathered)
-                # The stream's order: the previous chunk's drain is done once this gather is.
-                events.append(gathered)
-                if hashed:  # beside the drain, on a stream of its own
-                    with on_side_stream(hashes, gathered):
-                        device_xxh3.launch_xxh3_rows(self.kernels.origin, table, int(part[0]), len(part), 2, 6, found)
-                if table is None:
-                    copy_rows(staged[part], into[part], lengths[part])
-                else:  # a kernel, not the copy engine: a launch costs the caller the same at any size
-                    self.kernels.rows(table[3:], int(part[0]), len(part), int(lengths[part].max()), self.kernels.programs)
-                if hashed and hashes is not None:  # the next gather reuses the staging
-                    copies.wait_stream(hashes)
+            try:
+                for part in parts:
+                    self._copy_blocks(groups, block_ids, staged, part, table, True, True)
+                    gathered = recorded(copies)
+                    self.layout.pending_reads.add(block_ids[part], gathered)
+                    # The stream's order: the previous chunk's drain is done once this gather is.
+                    events.append(gathered)
+                    if hashed:  # beside the drain, on a stream of its own
+                        with on_side_stream(hashes, gathered):
+                            device_xxh3.launch_xxh3_rows(self.kernels.origin, table, int(part[0]), len(part), 2, 6, found)
+                    if table is None:
+                        copy_rows(staged[part], into[part], lengths[part])
+                    else:  # a kernel, not the copy engine: a launch costs the caller the same at any size
+                        self.kernels.rows(table[3:], int(part[0]), len(part), int(lengths[part].max()), self.kernels.programs)
+                    if hashed and hashes is not None:  # the next gather reuses the staging
+                        copies.wait_stream(hashes)
+            except BaseException:
+                # The save fails with chunks already queued: they end before it is reported
+                # failed, when its slots are free to take another key's value.
+                if copies is not None:
+                    if hashes is not None:
+                        copies.wait_stream(hashes)
+                    recorded(copies).synchronize()
+                raise
             found_on_host = to_host(found) if hashed else None
             events = events[1:] + [recorded(copies)] if copies is not None else [None] * len(parts)
             for tensor in (staging, table, found):

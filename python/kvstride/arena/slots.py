@@ -192,10 +192,11 @@ class HostArena:
         self.lengths[slots] = self.block_bytes[groups]
         self.slot_group[slots] = groups
 
-    def load(self, slots, groups, block_ids, *, verify: bool = True) -> np.ndarray:
+    def load(self, slots, groups, block_ids, *, verify: bool = True, after=None) -> np.ndarray:
         """Copy each slot into its destination block when the slot holds a value of that group
         whose digest still matches (``verify=False``: without the digest check); returns which
-        entries were loaded."""
+        entries were loaded. ``after`` (CUDA): an event the writes follow (default: the work
+        queued on the calling thread's current stream)."""
         slots, groups, block_ids = (np.asarray(a, dtype=np.int64) for a in (slots, groups, block_ids))
         self._check(slots, groups, block_ids)
         # Only a slot holding a value of the block's group can be loaded into it.
@@ -217,7 +218,7 @@ class HostArena:
                 return np.ones(len(part), dtype=bool)
             return self._digest(s[part], g[part]) == self.digests[s[part]]
 
-        good, written = self._device.load(s, g, b, check, expected=self.digests[s] if verify else None)
+        good, written = self._device.load(s, g, b, check, after=after, expected=self.digests[s] if verify else None)
         if written is not None:  # the caller is told the blocks are written: they must be
             written.synchronize()
         ok[candidates] = good
@@ -341,8 +342,9 @@ class ArenaSlots:
 
         return finished
 
-    def load_blocks(self, slots, groups, block_ids) -> List[Status]:
-        ok = self.arena.load(slots, groups, block_ids)
+    def load_blocks(self, slots, groups, block_ids, after=None) -> List[Status]:
+        """Load each slot into its block (``HostArena.load``; ``after`` as there)."""
+        ok = self.arena.load(slots, groups, block_ids, after=after)
         bad = [int(s) for s, good in zip(slots, ok) if not good]
         if bad:
             with self._lock:

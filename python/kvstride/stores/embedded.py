@@ -382,10 +382,11 @@ class EmbeddedStore(KVStore):
         """The disk tier's bytes written and read and its rejected records (none without one)."""
         return {} if self.disk is None else dict(self.disk.counters)
 
-    def load_blocks(self, keys, groups, block_ids) -> list:
+    def load_blocks(self, keys, groups, block_ids, after=None) -> list:
         """Load ``keys[i]`` into block ``block_ids[i]`` of group ``groups[i]``: one copy from
         the slot, only after its digest matched. A key asked twice is written to both blocks.
-        Statuses as ``get``; a non-OK key's block is left untouched."""
+        Statuses as ``get``; a non-OK key's block is left untouched. ``after`` (CUDA): an
+        event the writes follow (default: the calling thread's current stream's work)."""
         keys = list(keys)
         out: list = [None] * len(keys)
         with self._lock:
@@ -401,7 +402,7 @@ class EmbeddedStore(KVStore):
             fits = self.arena.slot_group[[s for _, s in reads]] == groups[rows]
             self._read(
                 "get", keys, reads, out, fits,
-                lambda slots, rows: self.arena.load(slots, groups[rows], block_ids[rows], verify=self.verify),
+                lambda slots, rows: self.arena.load(slots, groups[rows], block_ids[rows], verify=self.verify, after=after),
             )
         return self._finish("get", keys, out, {})
 
