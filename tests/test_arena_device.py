@@ -250,6 +250,37 @@ def test_the_kernels_compile_for_a_hopper_gpu_with_16_byte_accesses():
             assert access in ptx, (kernel.fn.__name__, constants, access)
 
 
+def test_the_warm_up_launches_every_kernel_variant_a_save_or_load_uses(monkeypatch):
+    """Triton compiles a kernel variant (its constexpr arguments) on its first launch, under the
+    launch lock: ``warm_up`` (run when the copier is built on CUDA) launches every variant that
+    saves, loads and loads checked on the device later launch, so none of them compiles then."""
+    from kvstride.arena import device, device_xxh3
+
+    launched = []
+
+    class Recorded:
+        def __init__(self, name):
+            self.name = name
+
+        def __getitem__(self, grid):
+            return lambda *args, **constexprs: launched.append((self.name, tuple(sorted(constexprs.items()))))
+
+    monkeypatch.setattr(device, "_kernels", lambda: (Recorded("rows"), Recorded("blocks")))
+    monkeypatch.setattr(device_xxh3, "launch_xxh3_rows", lambda *args, **kwargs: None)
+    kv, groups = hybrid(nb=12)
+    layout = KVLayout(kv, groups)
+    arena = HostArena(layout, 40, copier="regions")
+    copier = DeviceCopier(layout, arena.buffer, arena.slot_bytes, arena._pieces, chunk_bytes=3 * arena.slot_bytes,
+                          kernels=True, digests_on_device=True)
+    copier.kernels.warm_up()
+    warmed, launched[:] = set(launched), []
+    for (slots, grps, blocks), digests in ((_entries(layout, 10, 1), True), (_entries(layout, 10, 2), False)):
+        copier.save(slots, grps, blocks, digests=digests)
+        copier.load(slots, grps, blocks, lambda part: np.ones(len(part), dtype=bool))
+        copier.load(slots, grps, blocks, None, expected=np.zeros(len(slots), dtype=np.uint64))
+    assert launched and set(launched) <= warmed, set(launched) - warmed
+
+
 def test_slot_runs():
     assert slot_runs(np.array([3, 4, 5, 9, 11, 12])) == [(0, 3, 3), (3, 9, 1), (4, 11, 2)]
     assert slot_runs(np.array([], dtype=np.int64)) == []

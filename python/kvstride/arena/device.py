@@ -227,6 +227,18 @@ class BlockKernels:
         self._origin_in_elements = self._piece_table.view(_ELEMENTS[self.width])  # the copy kernel's W-byte elements
         self._group_table = _on(device, np.stack([pieces.first, pieces.count]))
         self._tiles_per_piece = -(-int(pieces.size.max(initial=1)) // self.width // _TILE)
+        if device.type == "cuda":
+            self.warm_up()
+
+    def warm_up(self) -> None:
+        """Launch every variant of the copy kernels once, with no work: Triton compiles a kernel
+        on its first launch, under ``LAUNCHES``, so a step's first save would wait for the
+        compiler (and every other launch with it) and the launch lane fall far behind."""
+        table = self.table(np.zeros(1), np.zeros(1), np.zeros(1))
+        launch_copy_rows(self._piece_table, table, 0, 0, self.width, self.vec, 0, 1)
+        for to_entries in (True, False):
+            for flags in (None, table[0]):
+                self._launch_blocks(table, 0, 0, 1, to_entries, 1, flags)
 
     def table(self, *rows: np.ndarray) -> torch.Tensor:
         """Rows of an op's table (uint64 arrays of one length) on the device."""
@@ -241,6 +253,10 @@ class BlockKernels:
         if not count:
             return
         per_entry = int(self.pieces.count[groups[first:first + count]].max())
+        self._launch_blocks(table, first, count, per_entry, to_entries, programs, flags)
+
+    def _launch_blocks(self, table: torch.Tensor, first: int, count: int, per_entry: int, to_entries: bool,
+                       programs: int, flags: Optional[torch.Tensor]) -> None:
         with device_xxh3.LAUNCHES:
             _, copy_blocks_kernel = _kernels()
             copy_blocks_kernel[_programs(programs, count * per_entry * self._tiles_per_piece)](
@@ -318,6 +334,8 @@ class DeviceCopier:
         self._hash_stream = torch.cuda.Stream(self.device) if cuda else None  # a save's, beside its drains
         self._urgent_hash_stream = torch.cuda.Stream(self.device) if cuda else None
         self._check_stream = torch.cuda.Stream(self.device) if cuda else None  # a load's, beside its copies
+        if cuda and self.digests_on_device and self.kernels is not None:
+            device_xxh3.warm_up(self.device)  # compiled now, not under a step's first save
 
     def _slot_addresses(self, slots: np.ndarray) -> np.ndarray:
         return np.uint64(self.host.data_ptr()) + slots.astype(np.uint64) * np.uint64(self.slot_bytes)

@@ -19,7 +19,7 @@ import threading
 import numpy as np
 import torch
 
-__all__ = ["LAUNCHES", "WARPS", "eligible", "keys_for", "launch_xxh3_rows"]
+__all__ = ["LAUNCHES", "WARPS", "eligible", "keys_for", "launch_xxh3_rows", "warm_up"]
 
 #: Warps of a program: 64 threads for a block's 128 words, two (16 bytes) a thread.
 WARPS = 2
@@ -126,6 +126,16 @@ def _kernel():
             tl.store(out + row, result.to(tl.int64, bitcast=True))
 
     return xxh3_rows_kernel
+
+
+def warm_up(device: torch.device) -> None:
+    """Compile the kernel in both modes (digests, checks) on one 256-byte value: Triton compiles
+    on a kernel's first launch, under ``LAUNCHES``."""
+    value = torch.zeros(256, dtype=torch.uint8, device=device)
+    table = torch.tensor([[value.data_ptr()], [value.numel()]], dtype=torch.int64, device=device)
+    digest = torch.zeros(1, dtype=torch.int64, device=device)
+    launch_xxh3_rows(value, table, 0, 1, 0, 1, digest)
+    launch_xxh3_rows(value, table, 0, 1, 0, 1, torch.zeros_like(digest), expected=digest)
 
 
 def launch_xxh3_rows(origin: torch.Tensor, table: torch.Tensor, first: int, count: int, address_row: int,
