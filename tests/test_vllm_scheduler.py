@@ -658,3 +658,27 @@ def test_the_slots_of_a_save_job_given_up_stay_held_until_every_rank_reported_it
         assert d_slots == a_slots
     finally:
         side.shutdown()
+
+
+@pytest.mark.parametrize("chunk, warned", [(2 * BLOCK, False), (2 * BLOCK + 8, True), (BLOCK - 4, False)])
+def test_a_prefill_chunk_ending_inside_a_mamba_state_block_is_said_once(warnings_seen, chunk, warned):
+    """In Mamba "align" mode vLLM ends each prefill chunk of a block or more on a state block,
+    else it hands off no state to store (vLLM's CPU backend under ``vllm serve``: its scheduler
+    aligns to the platform's default block size, its workers use a larger one). A chunk ending
+    inside a block before the prompt's end is said once, with the ``--block-size`` that fixes
+    it; an aligned chunk, or one shorter than a block (a block wider than the token budget), is
+    not."""
+    groups = [kvstride.GroupSpec("full_attention", BLOCK), kvstride.GroupSpec("mamba", BLOCK, mamba_mode="align")]
+    _, _, side = _embedded_side(groups, 32, "state-alignment")
+    try:
+        for rid in ("a", "b"):
+            tokens = 3 * BLOCK - 4
+            request = SimpleNamespace(request_id=rid, block_hashes=_hashes(2, rid.encode()), num_tokens=tokens,
+                                      num_prompt_tokens=tokens)
+            side.on_new_request(request)
+            side.build_connector_meta(_prefill_step(request, chunk, [[1, 2, 3], [4]]))
+        said = [m for m in warnings_seen if "inside a" in m]
+        assert len(said) == int(warned), warnings_seen
+        assert not warned or f"--block-size {BLOCK}" in said[0]
+    finally:
+        side.shutdown()

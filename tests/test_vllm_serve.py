@@ -683,3 +683,41 @@ def test_server_with_the_disk_tier_hits_across_a_restart(workdir, base_env, mode
     assert kvstride.get("vllm:kvstride_loads_from_disk_total", 0) >= 1, kvstride
     assert kvstride.get("vllm:kvstride_failures_total", 0) == 0, kvstride
     assert _mismatches({"p1": again}, reference[name]) == []
+
+
+@pytest.mark.parametrize("block_size, hit", [(256, 512), (None, 0)])
+def test_a_hybrid_prompt_sent_again_hits_under_vllm_defaults_given_the_block_size(workdir, base_env, tmp_path,
+                                                                                  block_size, hit):
+    """The README's check on a Mamba hybrid (Qwen3-Next's shape) under ``vllm serve`` with vLLM's
+    scheduling and caching defaults and the README's connector line: a 700-token prompt, a
+    prefix-cache reset, the same prompt again. With ``--block-size 256`` (the block vLLM's CPU
+    workers give this model) it hits its first two blocks. Without it vLLM's scheduler ends the
+    prompt's chunk inside a Mamba state block and keeps no state to store: no hit, and kvstride
+    says why once."""
+    path = harness.MODELS["qwen3_next"].build(tmp_path / "qwen3_next")
+    port = _free_port()
+    argv = [
+        sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", path, "--load-format", "safetensors",
+        "--skip-tokenizer-init", "--enforce-eager", "--max-model-len", "2048", "--kv-cache-memory-bytes",
+        str(96 << 20), "--host", "127.0.0.1", "--port", str(port),
+        "--kv-transfer-config", json.dumps(_transfer_config({"store": "embedded"})),
+    ]
+    if block_size:
+        argv += ["--block-size", str(block_size)]
+    log_path = workdir / f"server-hybrid-{port}.log"
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(argv, env=base_env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        server = Server(proc, port, log_path)
+        server.wait_healthy()
+        prompt = [(7 * i + 3) % 500 + 3 for i in range(700)]
+        hits = []
+        for _ in range(2):
+            before = server.metrics().get(EXTERNAL_HITS + "_total", 0.0)
+            server.complete(prompt)
+            server.drain()
+            hits.append(server.metrics()[EXTERNAL_HITS + "_total"] - before)
+    finally:
+        _stop(proc)
+    said = log_path.read_text().count("inside a 256-token Mamba state block")
+    assert hits == [0, hit] and said == (0 if hit else 1), (hits, said)

@@ -99,6 +99,10 @@ class SchedulerSide(Outcomes):
         self._waiting: Dict[str, Any] = {}  # requests not allocated yet, in arrival order
         # Each request's planners: its keys bound to its adapter's and multimodal items' content
         self.bindings = RequestBindings(config, self.count)
+        # The Mamba state block ("align" mode): a prefill chunk ends on one, or vLLM hands off
+        # no state there (0: no such group).
+        self._state_block = max((g.block_size for g in config.groups if g.kind == "mamba" and g.mamba_mode == "align"),
+                                default=0)
         self.lookups = Lookups(self.engine, self.planner, placement, config.lookup_batch,
                                planner_of=self._lookup_planner)
         # TP ranks whose worker disabled its store (KVStrideWorkerMetadata.store_disabled):
@@ -428,6 +432,25 @@ class SchedulerSide(Outcomes):
                 self.lookups.remember_written(job.keys)
             self._finish_job(job)
 
+    def _check_state_alignment(self, rid: str, scheduled: int, end: int, request) -> None:
+        """vLLM's "align" mode ends every prefill chunk of a block or more on a Mamba state
+        block (else the prompt's end), since a state exists only where a chunk ends. A chunk
+        that ends elsewhere means vLLM's scheduler aligns to another block size than its KV
+        cache's: it hands off no state, so no prompt of this hybrid is stored whole (logged
+        once per engine)."""
+        block = self._state_block
+        if not block or scheduled < block or end % block == 0 or end % self.planner.hash_block_size == 0:
+            return
+        if end >= int(getattr(request, "num_prompt_tokens", 0) or 0):
+            return
+        self._log_once(
+            "state-alignment",
+            "kvstride: vLLM ended a prefill chunk of request %s at token %d, inside a %d-token Mamba state block "
+            "and before its prompt's end: vLLM keeps no Mamba state there for any connector to store, so this "
+            "hybrid's prompts will not hit. vLLM's scheduler aligns chunks to another block size than its KV "
+            "cache's (vLLM's CPU backend raises the block size in its workers only): start vLLM with "
+            "--block-size %d (logged once)", rid, end, block, block)
+
     def _given_up_reported(self, job_id: int, ranks: int) -> None:
         given_up = self._given_up.get(job_id)
         if given_up is None:
@@ -478,6 +501,7 @@ class SchedulerSide(Outcomes):
             by_boundary = handoffs.pop(rid, [])
             first = by_boundary[0] if by_boundary else ()
             end = computed[rid] + int(n)
+            self._check_state_alignment(rid, int(n), end, request)
             saves.append(SaveRequest(rid, hashes, tables, end, handoffs=first, boundaries=admitted))
             # vLLM may hand off several boundaries in one step; the planner takes one per save.
             for entries in by_boundary[1:]:
