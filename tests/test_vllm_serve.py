@@ -442,6 +442,8 @@ def test_server_hits_and_matches_plain(workdir, base_env, model_dirs, reference,
     connector = _store(kind, f"server-{name}-{os.getpid()}")
     with served(workdir, _env(base_env, kind, store_serve), name, model_dirs[name], connector) as server:
         got, hits, metrics = _serve_scenario(server)
+        exported = server._call("/metrics")
+    _assert_monitoring_series_exist(metrics, exported)
     kvstride = {k: v for k, v in metrics.items() if k.startswith("vllm:kvstride_")}
     # kvstride's own series are exported (build_prom_metrics) whether or not anything hit.
     assert {"vllm:kvstride_lookups_total", "vllm:kvstride_bytes_loaded_total"} <= set(kvstride), sorted(metrics)
@@ -450,6 +452,26 @@ def test_server_hits_and_matches_plain(workdir, base_env, model_dirs, reference,
     assert kvstride["vllm:kvstride_bytes_loaded_total"] > 0, kvstride
     assert kvstride.get("vllm:kvstride_failures_total", 0) == 0, kvstride
     assert _mismatches(got, reference[name]) == []
+
+
+MONITORING = Path(__file__).resolve().parents[1] / "docs" / "monitoring"
+
+
+def _assert_monitoring_series_exist(metrics: Dict[str, float], exported: str) -> None:
+    """Every series the shipped alert rules and dashboard name is on a real server's /metrics,
+    with the ``model_name`` label they select on, and both files parse."""
+    import re
+
+    import yaml
+
+    rules = (MONITORING / "kvstride-alerts.yml").read_text()
+    dashboard = (MONITORING / "kvstride-dashboard.json").read_text()
+    assert [rule["alert"] for group in yaml.safe_load(rules)["groups"] for rule in group["rules"]]
+    assert json.loads(dashboard)["panels"]
+    named = set(re.findall(r"vllm:[a-z_]+", rules + dashboard))
+    assert named and named <= set(metrics), sorted(named - set(metrics))
+    for series in named:
+        assert re.search(rf'^{series}{{[^}}]*model_name="', exported, re.M), series
 
 
 @pytest.mark.parametrize("name, kind", MP_CASES)
