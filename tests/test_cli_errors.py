@@ -153,3 +153,55 @@ def test_bench_skips_what_it_cannot_run_naming_the_install(capsys, monkeypatch):
     out = capsys.readouterr().out
     assert "skipped: needs cbor2_not_installed, which is not installed: pip install cbor2" in out
     assert "skipped: needs mooncake.store, which is not installed: pip install mooncake-transfer-engine-non-cuda" in out
+
+
+def _transfer(extra: dict, policy: str = "recompute") -> str:
+    """A ``--kv-transfer-config`` as the README writes it."""
+    return json.dumps({"kv_connector": "KVStrideConnector", "kv_connector_module_path": "kvstride.vllm",
+                       "kv_role": "kv_both", "kv_load_failure_policy": policy, "kv_connector_extra_config": extra})
+
+
+#: Mistakes ``kvstride check-config`` finds offline, each with what its one line names.
+BAD_CONFIGS = [
+    (_transfer({"secret_fle": "/etc/kvstride/deploy.key"}), "secret_fle", "did you mean 'secret_file'"),
+    (_transfer({}, policy="fail"), "kv_load_failure_policy='fail'", '"recompute"'),
+    (_transfer({"store": "redis"}), "redis", "'embedded'"),
+    (_transfer({"store": "mooncake", "disk_path": "/tmp"}), "disk_path", "store 'embedded'"),
+    (_transfer({"disk_bytes": "4TiB"}), "disk_bytes", "disk_path"),
+    (_transfer({"store_bytes": "lots"}), "store_bytes", "'512MB'"),
+    (_transfer({"load_timeout_s": -1}), "load_timeout_s", "seconds"),
+    (_transfer({"trust_client_mm_uuids": "yes"}), "trust_client_mm_uuids", "true or false"),
+    (_transfer({"admission": "lru"}), "admission", "kvstride, dense"),
+    (_transfer({"disk_path": "/nope/kvstride", "disk_bytes": "1G"}), "disk_path", "mkdir -p"),
+    (_transfer({"secret_file": "/nope/kvstride/deploy.key"}), "/nope/kvstride/deploy.key", "store serve --secret-file"),
+    (_transfer({}).replace("KVStrideConnector", "KVStride"), "kv_connector", "KVStrideConnector"),
+    ("{bad", "not JSON", "single quotes"),
+]
+
+
+@pytest.mark.parametrize("config, option, fix", BAD_CONFIGS, ids=[option for _, option, _ in BAD_CONFIGS])
+def test_check_config_names_each_mistake_in_one_line(capsys, monkeypatch, config, option, fix):
+    """``kvstride check-config`` runs the connector's checks that need no engine, offline: a
+    mistake is the connector's own error, one line, exit 2."""
+    monkeypatch.delenv("MOONCAKE_CONFIG_PATH", raising=False)
+    assert_one_line_and_exit_2(capsys, ["check-config", config], option, fix)
+
+
+def test_check_config_accepts_the_readme_lines_and_reads_the_model(capsys, tmp_path):
+    """Every embedded-store ``--kv-transfer-config`` line of the README passes (a disk tier's
+    folder where it exists); with ``--model`` the lookup alignment of the model's groups is
+    printed."""
+    import re
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    lines = [json.loads(m) for m in re.findall(r"--kv-transfer-config '(\{.*?\})'", readme)]
+    embedded = [t for t in lines if t["kv_connector_extra_config"].get("store", "embedded") == "embedded"]
+    assert embedded
+    for transfer in embedded:
+        extra = transfer["kv_connector_extra_config"]
+        if "disk_path" in extra:
+            extra["disk_path"] = str(tmp_path)
+        assert cli.main(["check-config", json.dumps(transfer)]) == 0
+    assert cli.main(["check-config", _transfer({}), "--model", "qwen3-next-80b"]) == 0
+    assert "hits are whole multiples of 544 tokens" in capsys.readouterr().out

@@ -386,3 +386,29 @@ def test_the_disk_tier_is_checked_at_construction(llama_dir, tmp_path):
     config = resolve_config(vllm_config(llama_dir, {"store": "embedded", "disk_path": folder, "disk_bytes": "1GiB"}),
                             kv_cache_config(), worker=False)
     assert config.store.disk.num_records > 0 and config.model_identity is not None  # the weights are in the keys
+
+
+@pytest.mark.parametrize("extra, policy", [
+    ({"store": "embedded", "secret_flie": "x"}, "recompute"),
+    ({"store": "embedded"}, "fail"),
+    ({"store": "redis"}, "recompute"),
+    ({"store": "mooncake", "disk_path": "/tmp", "disk_bytes": "1G"}, "recompute"),
+    ({"store": "embedded", "disk_bytes": "1G"}, "recompute"),
+    ({"store": "embedded", "store_bytes": "lots"}, "recompute"),
+    ({"store": "embedded", "save_wait_s": "soon"}, "recompute"),
+    ({"store": "embedded", "admission": "lru"}, "recompute"),
+    ({"store": "embedded", "allow_failing_loads": "no"}, "fail"),
+    ({"store": "embedded", "secret_file": "/nope/kvstride/deploy.key"}, "recompute"),
+])
+def test_check_config_raises_what_the_connector_raises(llama_dir, extra, policy):
+    """``kvstride check-config`` and the connector building itself in vLLM refuse a
+    configuration with the same words."""
+    from kvstride.connector_checks import check_transfer_config
+
+    transfer = {"kv_connector": "KVStrideConnector", "kv_connector_module_path": "kvstride.vllm",
+                "kv_load_failure_policy": policy, "kv_connector_extra_config": extra}
+    with pytest.raises(ValueError) as offline:
+        check_transfer_config(transfer)
+    with pytest.raises(ValueError) as in_vllm:
+        resolve_config(vllm_config(llama_dir, extra, policy=policy), kv_cache_config(), worker=False)
+    assert str(offline.value) == str(in_vllm.value)

@@ -8,6 +8,7 @@ import argparse
 import math
 import os
 import sys
+from pathlib import Path
 from typing import List, Optional, Sequence
 
 from kvstride import _core
@@ -446,7 +447,6 @@ def bench(args) -> int:
     """Run the benches of a source checkout, each next to its baseline in the same run."""
     import os
     import subprocess
-    from pathlib import Path
 
     root = Path(__file__).resolve().parents[2]
     benches = root / "benches"
@@ -797,6 +797,13 @@ def build_parser() -> argparse.ArgumentParser:
     bench_parser = commands.add_parser("bench", help="run the core and data-plane benches and print their ratio tables")
     bench_parser.add_argument("--quick", action="store_true", help="fewer repeats")
     bench_parser.add_argument("--rust", action="store_true", help="also run the criterion benches (cargo bench)")
+    check = commands.add_parser(
+        "check-config",
+        help="check a --kv-transfer-config offline, with the errors the connector raises at start-up",
+    )
+    check.add_argument("config", help="the JSON given to vLLM's --kv-transfer-config, or @FILE holding it")
+    check.add_argument("--model", help="the model vLLM serves (a checkpoint folder, its config.json or a cached "
+                       "Hugging Face id): also check that kvstride can key its groups, and print its lookup alignment")
     store_parser = commands.add_parser("store", help="a Mooncake store that outlives the engines")
     store_commands = store_parser.add_subparsers(dest="store_command", required=True)
     serve = store_commands.add_parser(
@@ -873,6 +880,44 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return 2
 
 
+def check_config(parser: argparse.ArgumentParser, args, out=None) -> int:
+    """``kvstride check-config``: the connector's checks that need no engine (``connector_checks``),
+    on this host (the disk tier's folder, the Mooncake client's file), and with ``--model`` the
+    geometry kvstride keys; one line and exit 2 on the first error."""
+    import json
+
+    from kvstride.connector_checks import check_transfer_config
+
+    out = out if out is not None else sys.stdout
+    text = args.config
+    if text.startswith("@"):
+        try:
+            text = Path(text[1:]).read_text()
+        except OSError as err:
+            parser.error(f"{args.config}: {err.strerror or err}")
+    try:
+        extra = check_transfer_config(json.loads(text))
+    except json.JSONDecodeError as err:
+        parser.error(f"the configuration is not JSON ({err}); give the --kv-transfer-config value in single quotes")
+    except ValueError as err:
+        parser.error(str(err))
+    store = str(extra.get("store", "embedded"))
+    tier = f", a disk tier in {extra['disk_path']}" if "disk_path" in extra else ""
+    key = ", keyed and authenticated with its secret_file" if extra.get("secret_file") else ""
+    print(f"ok: the {store} store{tier}{key}", file=out)
+    if args.model:
+        try:
+            mix = model_mix(args.model)
+        except ValueError as err:
+            parser.error(str(err))
+        sizes, error = _try_resolve(mix.groups, None, 1)
+        if sizes is None:
+            parser.error(f"--model {args.model}: kvstride cannot key its groups: {error}")
+        print(f"ok: {mix.name} ({format_groups(mix.groups)}): hits are whole multiples of {sizes[1]} tokens",
+              file=out)
+    return 0
+
+
 #: ``simulate`` options that only the trace replay reads, and those only the chat workload reads.
 TRACE_ONLY = ("capacity", "policy", "limit", "checkpoints", "retention_interval", "value_weight", "hedge_tokens",
               "decode_states", "disk_policy")
@@ -905,6 +950,8 @@ def _run(parser: argparse.ArgumentParser, args) -> int:
         return bench(args)
     if args.command == "store":
         return store_serve(args)
+    if args.command == "check-config":
+        return check_config(parser, args)
     if args.command == "simulate" and args.trace and (args.preset or args.groups):
         parser.error("--trace replays a model's geometry: name it with --model (not --preset or --groups)")
     if args.command == "simulate":

@@ -129,11 +129,15 @@ def load_model(name_or_path: str) -> ModelGeometry:
     path = config_path(name_or_path) or name_or_path
     if not os.path.exists(path):
         path = os.path.join(MODELS_DIR, f"{name_or_path}.json")
-    if not os.path.exists(path):
-        raise ValueError(f"unknown model {name_or_path!r}; use one of {', '.join(list_models())}, a checkpoint folder "
+    if not os.path.isfile(path):
+        what = "a folder without a config.json" if os.path.isdir(path) else "unknown model"
+        raise ValueError(f"{what} {name_or_path!r}; use one of {', '.join(list_models())}, a checkpoint folder "
                          "or its config.json, a Hugging Face id in the local cache, or a geometry JSON file")
-    with open(path) as f:
-        doc = json.load(f)
+    try:
+        with open(path) as f:
+            doc = json.load(f)
+    except (OSError, ValueError) as err:
+        raise ValueError(f"{path}: not a model's config.json or geometry JSON ({err})") from None
     if "groups" not in doc:  # a Hugging Face config
         doc = geometry_document(doc, path)
     groups, sizes, layers = [], [], []

@@ -5,13 +5,11 @@ Configuration that cannot work is a ``ValueError`` here, at construction."""
 
 from __future__ import annotations
 
-import difflib
 from dataclasses import dataclass, field
 from typing import Callable, List, Optional
 
 import kvstride
 from kvstride.identity import checkpoint_digest, code_digest, local_checkpoint, plain
-from kvstride.mooncake_config import OVERRIDE_KEYS
 from kvstride.engine import (
     DEFAULT_LOAD_TIMEOUT_S,
     DEFAULT_LOOKUP_TIMEOUT_S,
@@ -24,42 +22,15 @@ from kvstride.engine import (
     check_save_wait,
     check_staging_wait,
 )
-from kvstride.secret import load_secret
+from kvstride import connector_checks
+from kvstride.connector_checks import ADMISSION_POLICIES, KNOWN_KEYS, check_admission, check_known_keys
 from kvstride.vllm.checks import check_strong_hash, warn_once
 from kvstride.vllm.store_registry import StoreChoice, choose_store
 
 __all__ = [
     "ConnectorConfig", "resolve_config", "group_specs", "model_identity", "ADMISSION_POLICIES", "check_admission",
-    "KNOWN_KEYS", "check_known_keys", "check_failure_policy", "BYTE_CACHE_FLAGS",
+    "KNOWN_KEYS", "check_known_keys", "BYTE_CACHE_FLAGS",
 ]
-
-#: ``kv_connector_extra_config["admission"]``: ``kvstride`` keeps a window group's blocks only
-#: where a later lookup can hit (SEMANTICS §8, under vLLM's ``prefix_cache_retention_interval``);
-#: ``dense`` keeps every window tail, whatever the retention.
-ADMISSION_POLICIES = ("kvstride", "dense")
-
-#: Every ``kv_connector_extra_config`` key the connector reads (README lists them): any other
-#: is refused, so that a misspelled ``secret_file`` never runs a shared store unauthenticated.
-KNOWN_KEYS = frozenset({
-    "store", "store_bytes", "disk_path", "disk_bytes", "staging_bytes", "save_wait_s", "staging_wait_s", "put_linger_s",
-    "load_timeout_s", "lookup_timeout_s",
-    "admission", "allow_failing_loads", "trust_client_mm_uuids",
-    "store_name", "model_id", "model_identity", "allow_weak_hash", "cache_prefix", "secret_file", *OVERRIDE_KEYS,
-})
-
-
-def check_known_keys(extra: dict) -> None:
-    """``ValueError`` naming the first key of ``extra`` the connector does not read, and the
-    nearest one it does."""
-    for key in sorted(map(str, extra)):
-        if key not in KNOWN_KEYS:
-            near = difflib.get_close_matches(key, sorted(KNOWN_KEYS), n=1, cutoff=0.5)
-            hint = f"did you mean {near[0]!r}? " if near else ""
-            raise ValueError(
-                f"kv_connector_extra_config has an unknown key {key!r}: {hint}the connector reads "
-                f"{', '.join(sorted(KNOWN_KEYS))} (README: kv_connector_extra_config)"
-            )
-
 
 def group_specs(kv_cache_config, vllm_config, shared: bool = False) -> List[kvstride.GroupSpec]:
     """One :class:`kvstride.GroupSpec` per vLLM KV-cache group, in group order (``shared``: for a
@@ -237,26 +208,6 @@ def _fingerprint(vllm_config, kv_cache_config, groups) -> str:
     return kvstride.layout_fingerprint(desc)
 
 
-def check_failure_policy(vllm_config, extra: dict) -> None:
-    """vLLM's ``kv_load_failure_policy`` must be ``"recompute"``: kvstride reports routine misses
-    (a load past its deadline, a value evicted or corrupted since the lookup, a rejected disk
-    record) as failed loads, which vLLM's default ``"fail"`` turns into failed requests. The
-    operator who wants that sets ``allow_failing_loads``."""
-    allow = extra.get("allow_failing_loads", False)
-    if not isinstance(allow, bool):
-        raise ValueError(f"kv_connector_extra_config['allow_failing_loads']={allow!r}: give true or false")
-    transfer = getattr(vllm_config, "kv_transfer_config", None)
-    policy = getattr(transfer, "kv_load_failure_policy", None)
-    if policy is None or policy == "recompute" or allow:
-        return
-    raise ValueError(
-        f"kv_load_failure_policy={policy!r} ends a request with an error whenever its kvstride load fails "
-        "(a deadline, a value evicted since the lookup, a corrupted value: all routine misses); set "
-        "\"kv_load_failure_policy\": \"recompute\" in --kv-transfer-config so that vLLM computes those tokens, "
-        "or kv_connector_extra_config[\"allow_failing_loads\"]: true to keep vLLM's behaviour"
-    )
-
-
 def _check_hf_overrides(vllm_config, extra: dict, shared: bool) -> None:
     """A callable ``hf_overrides`` changes the model in a way no configuration value shows: on a
     store that outlives the engine, the operator names the result (``model_identity``)."""
@@ -350,28 +301,14 @@ class ConnectorConfig:
     planners_for: Optional[Callable[[Optional[str]], List[kvstride.KeyPlanner]]] = field(default=None, repr=False)
 
 
-def check_admission(value) -> str:
-    """``kv_connector_extra_config["admission"]``, or ``ValueError`` naming it."""
-    if value not in ADMISSION_POLICIES:
-        raise ValueError(
-            f"kv_connector_extra_config['admission']={value!r}: use one of {', '.join(ADMISSION_POLICIES)} "
-            "(kvstride stores window blocks only where a later lookup can hit; dense stores them all)"
-        )
-    return value
-
-
 def resolve_config(vllm_config, kv_cache_config, worker: bool) -> ConnectorConfig:
     """The connector's configuration for one side (``worker``: this process holds KV tensors)."""
     extra = dict(vllm_config.kv_transfer_config.kv_connector_extra_config or {})
-    check_known_keys(extra)
-    check_failure_policy(vllm_config, extra)
+    # What needs no engine first (kvstride check-config runs the same): the deployment key too,
+    # keyed store keys and, on Mooncake, a MAC on every value.
+    transfer = vllm_config.kv_transfer_config
+    secret = connector_checks.check_extra(extra, getattr(transfer, "kv_load_failure_policy", None))
     trust_mm = extra.get("trust_client_mm_uuids", False)
-    if not isinstance(trust_mm, bool):
-        raise ValueError(f"kv_connector_extra_config['trust_client_mm_uuids']={trust_mm!r}: give true or false")
-    # The deployment key (issue 17): keyed store keys and, on Mooncake, a MAC on every value.
-    # A missing, unreadable, group/other-readable or weak file is a ValueError naming it.
-    secret_file = extra.get("secret_file")
-    secret = load_secret(secret_file) if secret_file else None
     groups = group_specs(kv_cache_config, vllm_config, shared=str(extra.get("store", "embedded")) == "mooncake")
     vllm_h = getattr(kv_cache_config, "hash_block_size", None)
     # vLLM's hash block (its prefix_match_unit when one is set) is the unit kvstride keys by.

@@ -18,6 +18,7 @@ from typing import Dict, Optional, Sequence, Tuple
 from kvstride.arena import ArenaPlacement, ArenaSlots, slots_for
 from kvstride.arena.disk import DISK_ALIGN, DiskSpec, check_disk_folder, existing_records_bytes, record_bytes
 from kvstride.arena.disk_index import DiskIndex
+from kvstride.connector_checks import check_store_kind
 from kvstride.mooncake_config import format_size, parse_size, resolve_client_config
 from kvstride.stores import KVStore, MooncakeStore
 from kvstride.stores.placement import StorePlacement
@@ -66,7 +67,7 @@ def choose_store(extra: dict, kv_cache_config, tp_size: int, stored_groups: Opti
     writes its own shard into the same slot, so it keys as one rank; a Mooncake store is
     shared by every rank, so each keys (and stripes) its own heads. The arena's slots are sized
     for ``stored_groups`` (the groups the planner keys: never a scratch ring), all by default."""
-    kind = str(extra.get("store", "embedded"))
+    kind = check_store_kind(extra)
     if kind == "embedded":
         store_bytes = parse_size(extra.get("store_bytes", DEFAULT_STORE_BYTES), "store_bytes")
         stored = None if stored_groups is None else tuple(stored_groups)
@@ -75,23 +76,14 @@ def choose_store(extra: dict, kv_cache_config, tp_size: int, stored_groups: Opti
         if disk is not None:  # direct I/O: the workers' slots start on its blocks
             slot_bytes = disk.payload_bytes
         return StoreChoice(kind, 1, slots_for(store_bytes, slot_bytes), stored, disk)
-    if kind == "mooncake":
-        if "disk_path" in extra or "disk_bytes" in extra:
-            raise ValueError("kv_connector_extra_config['disk_path'] is the embedded store's disk tier; with "
-                             "store 'mooncake' configure Mooncake's own SSD offload instead, or use store 'embedded'")
-        return StoreChoice(kind, tp_size)
-    raise ValueError(f"unknown kvstride store {kind!r}; use 'embedded' (the default) or 'mooncake'")
+    return StoreChoice(kind, tp_size)
 
 
 def choose_disk(extra: dict, slot_bytes: int, tp_size: int) -> Optional[DiskChoice]:
     """``disk_path`` and ``disk_bytes`` (both or neither), checked: a folder this process may
     write whose file system holds ``disk_bytes`` per TP rank, at least one record."""
-    if "disk_path" not in extra and "disk_bytes" not in extra:
+    if "disk_path" not in extra:  # (check_store_kind: both keys or neither)
         return None
-    if "disk_path" not in extra or "disk_bytes" not in extra:
-        given, missing = ("disk_path", "disk_bytes") if "disk_path" in extra else ("disk_bytes", "disk_path")
-        raise ValueError(f"kv_connector_extra_config has {given!r} but not {missing!r}: the disk tier needs both "
-                         "(a folder, and the bytes of records per TP rank, e.g. '4TiB')")
     disk_bytes = parse_size(extra["disk_bytes"], "disk_bytes")
     payload, record = record_bytes(slot_bytes)
     if disk_bytes < record:
