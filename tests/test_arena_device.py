@@ -9,6 +9,7 @@ run wherever CUDA is present."""
 
 from __future__ import annotations
 
+import itertools
 import os
 import threading
 
@@ -414,17 +415,19 @@ def _ordered_copier(monkeypatch):
 
 
 #: A DeviceCopier's streams, by attribute: the name a modelled stream takes.
-COPIER_STREAMS = {"_save_stream": "save", "_urgent_stream": "save urgent", "_load_stream": "load", "_hash_stream": "hash",
-                  "_urgent_hash_stream": "hash urgent", "_check_stream": "check"}
+COPIER_STREAMS = {"_save_stream": "save", "_urgent_stream": "save urgent", "_drain_stream": "save drain",
+                  "_load_stream": "load", "_hash_stream": "hash", "_urgent_hash_stream": "hash urgent",
+                  "_check_stream": "check"}
 
 
 def test_a_device_save_is_ordered_against_the_callers_stream_and_its_staging(monkeypatch):
     """A save with its digests on the device, on modelled CUDA streams: the caller's next work
     runs beside the gathers, and once the caller fenced the blocks of one chunk its later work
     follows that chunk's gather (and the earlier ones on the save's stream), not the later
-    chunks'; a chunk's gather follows the drain and the hash of the one before it (they read
-    the staging it overwrites); each hash runs beside its drain, not after it; the last
-    chunk's event follows every drain and hash."""
+    chunks', nor a drain but those whose staging rows that chunk reused; a chunk's gather
+    follows the drain and the hash of the chunks whose staging rows it takes again (two chunks
+    of rows, taken in turn), and no other drain; each hash runs beside its drain, not after it;
+    a chunk's event follows its drain, the last one every drain and hash."""
     copier, streams, launches = _ordered_copier(monkeypatch)
     slots = np.arange(12)
     chunks, _ = copier.save(slots, np.zeros(12, dtype=np.int64), slots + 1, digests=True)
@@ -442,8 +445,19 @@ def test_a_device_save_is_ordered_against_the_callers_stream_and_its_staging(mon
         assert before(gather[k], drain[k]) and before(gather[k], hash_[k])
         assert not before(drain[k], hash_[k]) and not before(hash_[k], drain[k])
         assert before(drain[k], chunks[k][1].node) and before(hash_[k], chunks[-1][1].node)
-        if k:
-            assert before(drain[k - 1], gather[k]) and before(hash_[k - 1], gather[k])
+    # The staging ring: two chunks of rows handed out in order, a chunk that does not fit at the
+    # end starting over at the first row. A chunk's gather follows the drain and the hash of
+    # every earlier chunk whose rows it (or an earlier gather of its stream) takes, and no other.
+    rows, at = [], 0
+    for part, _ in chunks:
+        at = at if at + len(part) <= 2 * copier.chunk_slots else 0
+        rows.append(set(range(at, at + len(part))))
+        at += len(part)
+    for i, k in itertools.combinations(range(5), 2):
+        reused = any(rows[i] & rows[j] for j in range(i + 1, k + 1))
+        assert before(drain[i], gather[k]) == reused and before(hash_[i], gather[k]) == reused, (i, k)
+    for i in range(5):  # the fenced work waits for the third chunk's gather, so for those drains alone
+        assert before(drain[i], later) == any(rows[i] & rows[j] for j in range(i + 1, 3)), i
 
 
 def test_a_device_save_that_fails_midway_waits_for_the_chunks_it_queued(monkeypatch):
@@ -466,7 +480,7 @@ def test_a_device_save_that_fails_midway_waits_for_the_chunks_it_queued(monkeypa
         copier.save(slots, np.zeros(12, dtype=np.int64), slots + 1, digests=True)
     queued = launches["gather"] + launches["drain"] + launches["hash"]
     assert len(launches["drain"]) == 2 and len(launches["gather"]) == 3
-    assert any(all(streams.before(node, wait) for node in queued) for wait in streams.host_waits), streams.host_waits
+    assert all(any(streams.before(node, wait) for wait in streams.host_waits) for node in queued), streams.host_waits
 
 
 def test_the_events_a_lane_waits_for_are_blocking(monkeypatch):

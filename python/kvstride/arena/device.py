@@ -40,8 +40,10 @@ themselves are checked on CPU memory by Triton's interpreter, and on CUDA by the
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import functools
+import threading
 from typing import Callable, List, Optional, Tuple
 
 import numpy as np
@@ -54,9 +56,10 @@ from kvstride.copies import PieceTable
 __all__ = ["BlockKernels", "DeviceCopier", "CHUNK_BYTES", "COPY_PROGRAMS", "DMA_RUNS", "access_width", "chunk_sizes",
            "copy_rows", "launch_copy_rows", "on_side_stream", "recorded", "slot_runs", "to_host", "used_on"]
 
-#: One chunk at most: a save's device staging, and the bytes whose digests are computed (saves)
-#: or checked (loads) while the previous or next chunk copies.
-CHUNK_BYTES = 256 << 20
+#: One chunk at most: a save's (its staging holds ``SAVE_STAGING_CHUNKS``), a load's, and
+#: the bytes whose digests are computed (saves) or checked (loads) while the previous or next
+#: chunk copies.
+CHUNK_BYTES = 128 << 20
 
 #: Programs (thread blocks) of the copy kernel: enough to keep the host link busy, few of the
 #: GPU's cores, so that the model's own kernels run beside a copy.
@@ -157,6 +160,59 @@ def _on(device: torch.device, array: np.ndarray) -> torch.Tensor:
     the host."""
     table = torch.from_numpy(np.ascontiguousarray(np.asarray(array).view(np.int64)))
     return table.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else table
+
+
+#: Chunks of device staging a copier's saves share, as a ring of rows: a chunk's gather waits
+#: only for the drain of the last chunk that used its rows (of this save or an earlier one),
+#: not for the host-link copies queued since, so a step whose stream waits for its saves'
+#: gathers waits for device-speed copies alone while the ring has room.
+SAVE_STAGING_CHUNKS = 2
+
+
+class _StagingRing:
+    """The saves' device staging: ``rows`` rows of ``row_bytes`` handed out in order, and the
+    chunks that took them, each read until its event ``_Chunk.done`` (its drain, on the one
+    drain stream, after its hash: a later chunk's event implies every earlier one's)."""
+
+    def __init__(self, memory: torch.Tensor, rows: int, row_bytes: int) -> None:
+        self.memory, self.rows, self.row_bytes = memory, rows, row_bytes
+        self._next = 0
+        self._taken: List[_Chunk] = []  # oldest first: chunks with rows no later chunk took since
+
+    def take(self, count: int) -> "_Chunk":
+        """Rows for a chunk of ``count`` (at most ``rows``); ``after`` is the newest chunk that
+        read some of them last, whose ``done`` must come first (it implies the older ones')."""
+        start = self._next if self._next + count <= self.rows else 0
+        chunk = _Chunk(start, start + count)
+        self._next = chunk.end
+        for earlier in self._taken:
+            if earlier.give_up(chunk.start, chunk.end):
+                chunk.after = earlier
+        self._taken = [earlier for earlier in self._taken if earlier.spans] + [chunk]
+        chunk.addresses = (np.uint64(self.memory.data_ptr())
+                           + np.arange(chunk.start, chunk.end, dtype=np.uint64) * np.uint64(self.row_bytes))
+        return chunk
+
+
+class _Chunk:
+    """A save chunk's rows in the staging ring (``spans``: those no later chunk took since),
+    the chunk it waits for, and its ``done`` event."""
+
+    def __init__(self, start: int, end: int) -> None:
+        self.start, self.end = start, end
+        self.spans = [(start, end)]
+        self.after: Optional[_Chunk] = None
+        self.done = None
+        self.addresses: Optional[np.ndarray] = None
+
+    def give_up(self, start: int, end: int) -> bool:
+        """Rows ``start`` to ``end`` go to a later chunk: whether this one held some of them."""
+        kept = []
+        for first, last in self.spans:
+            kept += [span for span in ((first, min(last, start)), (max(first, end), last)) if span[0] < span[1]]
+        held = kept != self.spans
+        self.spans = kept
+        return held
 
 
 def _programs(programs: int, work: int) -> Tuple[int]:
@@ -317,6 +373,11 @@ class DeviceCopier:
         # other saves' copies, and go first where the two compete for the GPU.
         self._urgent_stream = torch.cuda.Stream(self.device, priority=-1) if cuda else None
         self._load_stream = torch.cuda.Stream(self.device) if cuda else None
+        # Saves' drains to the host slots, apart from their gathers (which never queue behind
+        # them), in staging buffers taken in turn.
+        self._drain_stream = torch.cuda.Stream(self.device) if cuda else None
+        self._save_staging: Optional[_StagingRing] = None
+        self._save_lock = threading.Lock()
         # The copy kernels (default on CUDA; on CPU under Triton's interpreter, for tests), else
         # the Rust region copier.
         self.kernels = None
@@ -407,43 +468,64 @@ class DeviceCopier:
         streams of its own, so that a fence waits for this save alone, not for the copies of
         the saves queued before it."""
         hashed = digests and self.hashes_on_device(groups)
-        copies, hashes = (self._urgent_stream, self._urgent_hash_stream) if urgent else (self._save_stream, self._hash_stream)
-        events = []
-        with on_side_stream(copies, after):
+        gathers, hashes = (self._urgent_stream, self._urgent_hash_stream) if urgent else (self._save_stream, self._hash_stream)
+        drains = self._drain_stream
+        # One save's launches at a time (the caller's thread and the launch lane both save): the
+        # ring's next chunk must see its rows' last reader.
+        with self._save_lock, on_side_stream(gathers, after):
             parts = self._chunks(len(slots), growing=False)
-            staging, staged = self._staging(parts)
+            chunks = [self._ring().take(len(part)) for part in parts]
+            staged = np.concatenate([chunk.addresses for chunk in chunks])
             into, lengths = self._slot_addresses(slots), self.block_bytes[groups]
             table = self._table(groups, block_ids, staged, staged, into, lengths // np.uint64(self.width), lengths)
             found = torch.empty(len(slots), dtype=torch.int64, device=self.device) if hashed else None
             try:
-                for part in parts:
+                for part, chunk in zip(parts, chunks):
+                    reader = chunk.after
+                    if reader is not None and reader.done is not None:  # its rows' last reader first
+                        gathers.wait_event(reader.done)
                     self._copy_blocks(groups, block_ids, staged, part, table, True, True)
-                    gathered = recorded(copies)
+                    gathered = recorded(gathers)
                     self.layout.pending_reads.add(block_ids[part], gathered)
-                    # The stream's order: the previous chunk's drain is done once this gather is.
-                    events.append(gathered)
-                    if hashed:  # beside the drain, on a stream of its own
-                        with on_side_stream(hashes, gathered):
-                            device_xxh3.launch_xxh3_rows(self.kernels.origin, table, int(part[0]), len(part), 2, 6, found)
-                    if table is None:
-                        copy_rows(staged[part], into[part], lengths[part])
-                    else:  # a kernel, not the copy engine: a launch costs the caller the same at any size
-                        self.kernels.rows(table[3:], int(part[0]), len(part), int(lengths[part].max()), self.kernels.programs)
-                    if hashed and hashes is not None:  # the next gather reuses the staging
-                        copies.wait_stream(hashes)
+                    with on_side_stream(drains, gathered):
+                        if hashed:  # beside the drain, on a stream of its own
+                            with on_side_stream(hashes, gathered):
+                                device_xxh3.launch_xxh3_rows(self.kernels.origin, table, int(part[0]), len(part), 2, 6,
+                                                             found)
+                        if table is None:
+                            copy_rows(staged[part], into[part], lengths[part])
+                        else:  # a kernel, not the copy engine: a launch costs the caller the same at any size
+                            self.kernels.rows(table[3:], int(part[0]), len(part), int(lengths[part].max()),
+                                              self.kernels.programs)
+                        if hashed and drains is not None:  # the rows are read until the hash ended too
+                            drains.wait_stream(hashes)
+                        chunk.done = recorded(drains)
+                if hashed:
+                    with on_side_stream(hashes, None):  # after every chunk's hash
+                        found_on_host = to_host(found)
+                    if drains is not None:  # the last chunk's event follows the digests' copy too
+                        drains.wait_stream(hashes)
+                        chunks[-1].done = recorded(drains)
+                else:
+                    found_on_host = None
             except BaseException:
                 # The save fails with chunks already queued: they end before it is reported
                 # failed, when its slots are free to take another key's value.
-                if copies is not None:
-                    if hashes is not None:
-                        copies.wait_stream(hashes)
-                    recorded(copies).synchronize()
+                for stream in (gathers, drains, hashes):
+                    if stream is not None:
+                        recorded(stream).synchronize()
                 raise
-            found_on_host = to_host(found) if hashed else None
-            events = events[1:] + [recorded(copies)] if copies is not None else [None] * len(parts)
-            for tensor in (staging, table, found):
-                used_on(tensor, hashes)
-        return list(zip(parts, events)), found_on_host
+            for tensor, stream in ((table, drains), (table, hashes), (found, hashes)):
+                used_on(tensor, stream)
+        return [(part, chunk.done) for part, chunk in zip(parts, chunks)], found_on_host
+
+    def _ring(self) -> _StagingRing:
+        """The saves' staging ring (allocated on the first save)."""
+        if self._save_staging is None:
+            rows = SAVE_STAGING_CHUNKS * self.chunk_slots
+            memory = torch.empty(rows * self.slot_bytes, dtype=torch.uint8, device=self.device)
+            self._save_staging = _StagingRing(memory, rows, self.slot_bytes)
+        return self._save_staging
 
     # ---- loads -------------------------------------------------------------------------
 
