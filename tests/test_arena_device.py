@@ -404,6 +404,29 @@ class Streams:
         return launches
 
 
+def _ring_rows(monkeypatch) -> list:
+    """The staging ring's rows each chunk takes, in order (recorded as the copies take them)."""
+    from kvstride.arena.device import StagingRing
+
+    taken, take = [], StagingRing.take
+
+    def recorded_take(ring, count):
+        chunk = take(ring, count)
+        taken.append(set(range(chunk.start, chunk.end)))
+        return chunk
+
+    monkeypatch.setattr(StagingRing, "take", recorded_take)
+    return taken
+
+
+def _assert_gathers_wait_for_reused_rows(before, rows, gather, drain, hash_) -> None:
+    """A chunk's gather follows the drain and the hash of every earlier chunk whose staging rows
+    it, or an earlier gather of its stream, takes again, and no other chunk's."""
+    for i, k in itertools.combinations(range(len(gather)), 2):
+        reused = any(rows[i] & rows[j] for j in range(i + 1, k + 1))
+        assert before(drain[i], gather[k]) == reused and before(hash_[i], gather[k]) == reused, (i, k)
+
+
 def _ordered_copier(monkeypatch):
     kv, groups = kvdata.flash_attn(nb=40, bs=64)
     layout = KVLayout(kv, groups)
@@ -429,6 +452,7 @@ def test_a_device_save_is_ordered_against_the_callers_stream_and_its_staging(mon
     of rows, taken in turn), and no other drain; each hash runs beside its drain, not after it;
     a chunk's event follows its drain, the last one every drain and hash."""
     copier, streams, launches = _ordered_copier(monkeypatch)
+    rows = _ring_rows(monkeypatch)
     slots = np.arange(12)
     chunks, _ = copier.save(slots, np.zeros(12, dtype=np.int64), slots + 1, digests=True)
     beside = streams.launch("the caller's next kernel")
@@ -445,17 +469,8 @@ def test_a_device_save_is_ordered_against_the_callers_stream_and_its_staging(mon
         assert before(gather[k], drain[k]) and before(gather[k], hash_[k])
         assert not before(drain[k], hash_[k]) and not before(hash_[k], drain[k])
         assert before(drain[k], chunks[k][1].node) and before(hash_[k], chunks[-1][1].node)
-    # The staging ring: two chunks of rows handed out in order, a chunk that does not fit at the
-    # end starting over at the first row. A chunk's gather follows the drain and the hash of
-    # every earlier chunk whose rows it (or an earlier gather of its stream) takes, and no other.
-    rows, at = [], 0
-    for part, _ in chunks:
-        at = at if at + len(part) <= 2 * copier.chunk_slots else 0
-        rows.append(set(range(at, at + len(part))))
-        at += len(part)
-    for i, k in itertools.combinations(range(5), 2):
-        reused = any(rows[i] & rows[j] for j in range(i + 1, k + 1))
-        assert before(drain[i], gather[k]) == reused and before(hash_[i], gather[k]) == reused, (i, k)
+    assert any(rows[i] & rows[k] for i, k in itertools.combinations(range(5), 2))  # the ring wrapped
+    _assert_gathers_wait_for_reused_rows(before, rows, gather, drain, hash_)
     for i in range(5):  # the fenced work waits for the third chunk's gather, so for those drains alone
         assert before(drain[i], later) == any(rows[i] & rows[j] for j in range(i + 1, 3)), i
 
@@ -520,9 +535,9 @@ def test_a_device_load_checked_on_the_device_is_ordered(monkeypatch):
 def test_a_staged_gather_is_ordered_against_the_callers_stream_and_its_staging(monkeypatch):
     """The staging pool's device gather with its digests, on modelled CUDA streams: the caller's
     next work runs beside the gathers; once the caller fenced a block of the last chunk, or
-    waited for the fence, its later work follows every gather; a chunk's gather follows the
-    drain and the hash of the one before; hashes run beside the drains; the fence completes
-    after all of them."""
+    waited for the fence, its later work follows every gather and no drain; a chunk's gather
+    follows the drain and the hash of the chunks whose staging rows it takes again, and no
+    other; hashes run beside the drains; the fence completes after all of them."""
     from kvstride.transfer import StagingPool, Transfer
 
     kv, groups = kvdata.flash_attn(nb=40, bs=64)
@@ -530,7 +545,9 @@ def test_a_staged_gather_is_ordered_against_the_callers_stream_and_its_staging(m
     transfer = Transfer(layout, StagingPool(8 << 20), kernels=True, chunk_bytes=3 * layout.groups[0].block_bytes)
     transfer.digests_on_device = True
     streams = Streams()
-    launches = streams.install(monkeypatch, transfer, {"stream": "save", "_hash_stream": "hash", "_scatter_stream": "load"})
+    launches = streams.install(monkeypatch, transfer, {"stream": "save", "_drain_stream": "save drain", "_hash_stream": "hash",
+                                                       "_scatter_stream": "load"})
+    rows = _ring_rows(monkeypatch)
     fence = transfer.gather(transfer.stage([(0, b) for b in range(1, 13)]), digests=True)
     beside = streams.launch("the caller's next kernel")
     assert layout.fence([12]) == 1  # the last chunk's block
@@ -545,8 +562,9 @@ def test_a_staged_gather_is_ordered_against_the_callers_stream_and_its_staging(m
         assert before(gather[k], later) and before(gather[k], drain[k]) and before(gather[k], hash_[k])
         assert not before(drain[k], hash_[k]) and not before(hash_[k], drain[k])
         assert before(drain[k], fence._event.node) and before(hash_[k], fence._event.node)
-        if k:
-            assert before(drain[k - 1], gather[k]) and before(hash_[k - 1], gather[k])
+        assert not before(drain[k], later) or any(rows[k] & rows[j] for j in range(k + 1, 5))
+    assert any(rows[i] & rows[k] for i, k in itertools.combinations(range(5), 2))  # the ring wrapped
+    _assert_gathers_wait_for_reused_rows(before, rows, gather, drain, hash_)
 
 
 def _fenced_engine(monkeypatch, path: str):
@@ -572,7 +590,7 @@ def _fenced_engine(monkeypatch, path: str):
         transfer = Transfer(layout, StagingPool(8 << 20), kernels=True, chunk_bytes=chunk)
         launches = streams.install(monkeypatch, transfer, {"stream": "save", "_urgent_stream": "save urgent",
                                                            "_hash_stream": "hash", "_urgent_hash_stream": "hash urgent",
-                                                           "_scatter_stream": "load"})
+                                                           "_drain_stream": "save drain", "_scatter_stream": "load"})
         engine = OffloadEngine(planner, transfer, BytesStore())
         engine._batch_bytes["save"] = transfer.staged_bytes(blocks[-3:])  # batches of three: group 1's alone
         return engine, streams, launches, [(f"{g}-{b}", g, b) for g, b in blocks]

@@ -31,15 +31,17 @@ def _mamba_hybrid_fenced_groups(tmp_path) -> frozenset:
     return fenced_groups(group_specs(kv_cache_config, config), kv_cache_config)
 
 
-def test_a_mamba_hybrids_step_waits_for_its_saves_gathers_not_for_an_earlier_saves_drain(monkeypatch, tmp_path):
+@pytest.mark.parametrize("path", ["direct", "staged"])
+def test_a_mamba_hybrids_step_waits_for_its_saves_gathers_not_for_an_earlier_saves_drain(monkeypatch, tmp_path, path):
     """On a Mamba hybrid vLLM writes new blocks before the connector's fence, so the worker
     fences no group and the step's stream waits at once for its saves' reads. Those are device
     gathers into staging: the step's next kernel follows this step's gathers, and neither they
     nor it follow the previous step's drain to host memory (a host-link copy), as one stream
-    for gathers and drains made them."""
+    for gathers and drains made them. Into the arena's slots and through the staging pool
+    (Mooncake) alike."""
     fenced = _mamba_hybrid_fenced_groups(tmp_path)
     assert fenced == frozenset()
-    engine, streams, launches, entries = _fenced_engine(monkeypatch, "direct")
+    engine, streams, launches, entries = _fenced_engine(monkeypatch, path)
     engine.submit_planned(puts={1: entries[:3]}, fenced_groups=fenced)  # one chunk each
     engine.submit_planned(puts={2: entries[3:6]}, fenced_groups=fenced)
     forward = streams.launch("the step's forward")

@@ -44,7 +44,17 @@ import numpy as np
 import torch
 
 from .arena import device_xxh3
-from .arena.device import CHUNK_BYTES, BlockKernels, chunk_sizes, on_side_stream, recorded, to_host, used_on
+from .arena.device import (
+    CHUNK_BYTES,
+    SAVE_STAGING_CHUNKS,
+    BlockKernels,
+    StagingRing,
+    chunk_sizes,
+    on_side_stream,
+    recorded,
+    to_host,
+    used_on,
+)
 from .copies import PieceTable
 from .host_memory import host_buffer
 from .layout import KVLayout
@@ -54,6 +64,9 @@ __all__ = ["StagingPool", "StagedBatch", "Transfer", "Fence", "staging_bytes_for
 
 #: Every staged piece array starts at a multiple of this many bytes.
 ALIGNMENT = 64
+#: Device staging rows of a gather's chunks (multiples of the 512 bytes the kernels' widest
+#: access assumes of a chunk's start).
+STAGING_ROW = 512
 
 
 def _entry_bytes(payload: int, room: int) -> int:
@@ -313,6 +326,10 @@ class Transfer:
         self._hashable = all(device_xxh3.eligible(g.block_bytes) for g in layout.groups)
         self._hash_stream = torch.cuda.Stream(device=self.device) if self.cuda else None
         self._urgent_hash_stream = torch.cuda.Stream(device=self.device) if self.cuda else None
+        # Gathers' drains to the pool, apart from the gathers (which never queue behind them).
+        self._drain_stream = torch.cuda.Stream(device=self.device) if self.cuda else None
+        self._staging: Optional[StagingRing] = None
+        self._gather_lock = threading.Lock()
 
     def digests_ride_copies(self, mac_secret=None) -> bool:
         """Whether ``gather(digests=True)`` and ``scatter(expected=...)`` take and check each value's
@@ -422,42 +439,62 @@ class Transfer:
 
     def _kernel_gather(self, batch: StagedBatch, digests: bool, urgent: bool) -> Fence:
         """KV blocks -> device staging laid out as the pool (every core helping) -> the pool, chunk
-        by chunk on the gather stream; the fence's read event follows the last chunk's gather
-        (which, staging holding one chunk, follows the earlier chunks' drains), and each chunk's
-        gather joins the layout's ``pending_reads``.
+        by chunk: the gathers on the gather stream, each waiting only for the drain of the last
+        chunk that used its rows of the staging ring (``StagingRing``), the drains on a stream
+        of their own; the fence's read event follows the last chunk's gather, never a drain,
+        and each chunk's gather joins the layout's ``pending_reads``.
         ``digests``: each value's XXH3 from the staging, beside the drain, into ``batch.digests``
         (filled once the fence completed). ``urgent``: on the urgent streams."""
         _, groups, block_ids, payloads = self._entries(batch)
         kernels, read = self.kernels, None
-        copies, hashes = (self._urgent_stream, self._urgent_hash_stream) if urgent else (self.stream, self._hash_stream)
-        with on_side_stream(copies):
+        gathers, hashes = (self._urgent_stream, self._urgent_hash_stream) if urgent else (self.stream, self._hash_stream)
+        drains = self._drain_stream
+        with self._gather_lock, on_side_stream(gathers):
             chunks = self._chunks(batch, payloads, growing=False)
-            staging = torch.empty(max(nbytes for *_, nbytes in chunks), dtype=torch.uint8, device=self.device)
+            ring = self._ring(max(nbytes for *_, nbytes in chunks))
+            taken = [ring.take(-(-nbytes // STAGING_ROW)) for *_, nbytes in chunks]
             staged = np.zeros(len(payloads), dtype=np.uint64)
-            for first, end, offset, _ in chunks:
-                staged[first:end] = staging.data_ptr() + (payloads[first:end] - np.uint64(self.pool.ptr + offset))
+            for (first, end, offset, _), chunk in zip(chunks, taken):
+                staged[first:end] = np.uint64(chunk.address) + (payloads[first:end] - np.uint64(self.pool.ptr + offset))
             # Rows: the blocks' table, one drain row per chunk (the chunk's pool range at once), lengths.
-            drains = np.zeros((3, len(payloads)), dtype=np.uint64)
-            for k, (_, _, offset, nbytes) in enumerate(chunks):
-                drains[:, k] = (staging.data_ptr(), self.pool.ptr + offset, nbytes // kernels.width)
-            table = kernels.table(groups, block_ids, staged, *drains, self._payload_bytes[groups])
+            rows = np.zeros((3, len(payloads)), dtype=np.uint64)
+            for k, ((_, _, offset, nbytes), chunk) in enumerate(zip(chunks, taken)):
+                rows[:, k] = (chunk.address, self.pool.ptr + offset, nbytes // kernels.width)
+            table = kernels.table(groups, block_ids, staged, *rows, self._payload_bytes[groups])
             found = torch.empty(len(payloads), dtype=torch.int64, device=self.device) if digests else None
-            for k, (first, end, _, nbytes) in enumerate(chunks):
+            for k, ((first, end, _, nbytes), chunk) in enumerate(zip(chunks, taken)):
+                chunk.wait(gathers)  # its rows' last reader first
                 kernels.blocks(table, groups, first, end - first, True, kernels.device_programs)
-                read = recorded(copies)
+                read = recorded(gathers)
                 self.layout.pending_reads.add(block_ids[first:end], read)
-                if digests:
-                    with on_side_stream(hashes, read):
-                        device_xxh3.launch_xxh3_rows(kernels.origin, table, first, end - first, 2, 6, found)
-                # A kernel, not the copy engine: a launch costs the caller the same at any size.
-                kernels.rows(table[3:], k, 1, nbytes, kernels.programs)
-                if digests and hashes is not None:  # the next gather reuses the staging
-                    copies.wait_stream(hashes)
+                with on_side_stream(drains, read):
+                    if digests:
+                        with on_side_stream(hashes, read):
+                            device_xxh3.launch_xxh3_rows(kernels.origin, table, first, end - first, 2, 6, found)
+                    # A kernel, not the copy engine: a launch costs the caller the same at any size.
+                    kernels.rows(table[3:], k, 1, nbytes, kernels.programs)
+                    if digests and drains is not None:  # the rows are read until the hash ended too
+                        drains.wait_stream(hashes)
+                    chunk.done = recorded(drains)
             if digests:
-                batch.digests = to_host(found).numpy().view(np.uint64)
-                for tensor in (staging, table, found):
-                    used_on(tensor, hashes)
-            return Fence(recorded(copies), read)
+                with on_side_stream(hashes, None):  # after every chunk's hash
+                    batch.digests = to_host(found).numpy().view(np.uint64)
+                if drains is not None:
+                    drains.wait_stream(hashes)
+            for tensor, stream in ((table, drains), (table, hashes), (found, hashes)):
+                used_on(tensor, stream)
+            return Fence(recorded(drains), read)
+
+    def _ring(self, largest: int) -> StagingRing:
+        """The gathers' staging ring, of ``SAVE_STAGING_CHUNKS`` chunks (and of two chunks of
+        ``largest`` bytes, an entry larger than a chunk): allocated on the first gather, and
+        again larger, once the chunks in flight ended, for a larger entry."""
+        rows = -(-max(self.chunk_bytes, largest) // STAGING_ROW) * SAVE_STAGING_CHUNKS
+        if self._staging is None or self._staging.rows < rows:
+            if self._staging is not None:
+                self._staging.synchronize()
+            self._staging = StagingRing(self.device, rows, STAGING_ROW)
+        return self._staging
 
     def _kernel_scatter(self, batch: StagedBatch, ok, after, expected) -> Fence:
         """The pool -> device staging (the copy engine, one copy a chunk) -> the blocks of the

@@ -53,7 +53,7 @@ from kvstride import _core
 from kvstride.arena import device_xxh3
 from kvstride.copies import PieceTable
 
-__all__ = ["BlockKernels", "DeviceCopier", "CHUNK_BYTES", "COPY_PROGRAMS", "DMA_RUNS", "access_width", "chunk_sizes",
+__all__ = ["BlockKernels", "DeviceCopier", "StagingRing", "SAVE_STAGING_CHUNKS", "CHUNK_BYTES", "COPY_PROGRAMS", "DMA_RUNS", "access_width", "chunk_sizes",
            "copy_rows", "launch_copy_rows", "on_side_stream", "recorded", "slot_runs", "to_host", "used_on"]
 
 #: One chunk at most: a save's (its staging holds ``SAVE_STAGING_CHUNKS``), a load's, and
@@ -169,13 +169,14 @@ def _on(device: torch.device, array: np.ndarray) -> torch.Tensor:
 SAVE_STAGING_CHUNKS = 2
 
 
-class _StagingRing:
-    """The saves' device staging: ``rows`` rows of ``row_bytes`` handed out in order, and the
-    chunks that took them, each read until its event ``_Chunk.done`` (its drain, on the one
-    drain stream, after its hash: a later chunk's event implies every earlier one's)."""
+class StagingRing:
+    """Saves' device staging: ``rows`` rows of ``row_bytes`` handed out in order, and the chunks
+    that took them, each read until its event ``_Chunk.done`` (its drain, on one drain stream,
+    after its hash: a later chunk's event implies every earlier one's)."""
 
-    def __init__(self, memory: torch.Tensor, rows: int, row_bytes: int) -> None:
-        self.memory, self.rows, self.row_bytes = memory, rows, row_bytes
+    def __init__(self, device: torch.device, rows: int, row_bytes: int) -> None:
+        self.memory = torch.empty(rows * row_bytes, dtype=torch.uint8, device=device)
+        self.rows, self.row_bytes = rows, row_bytes
         self._next = 0
         self._taken: List[_Chunk] = []  # oldest first: chunks with rows no later chunk took since
 
@@ -189,21 +190,31 @@ class _StagingRing:
             if earlier.give_up(chunk.start, chunk.end):
                 chunk.after = earlier
         self._taken = [earlier for earlier in self._taken if earlier.spans] + [chunk]
-        chunk.addresses = (np.uint64(self.memory.data_ptr())
-                           + np.arange(chunk.start, chunk.end, dtype=np.uint64) * np.uint64(self.row_bytes))
+        chunk.address = self.memory.data_ptr() + chunk.start * self.row_bytes
         return chunk
+
+    def synchronize(self) -> None:
+        """Wait on the host until every chunk handed out was read (before the ring is replaced)."""
+        for chunk in self._taken:
+            if chunk.done is not None:
+                chunk.done.synchronize()
 
 
 class _Chunk:
-    """A save chunk's rows in the staging ring (``spans``: those no later chunk took since),
-    the chunk it waits for, and its ``done`` event."""
+    """A save chunk's rows in the staging ring (``spans``: those no later chunk took since; its
+    first row's ``address``), the chunk it waits for, and its ``done`` event."""
 
     def __init__(self, start: int, end: int) -> None:
         self.start, self.end = start, end
         self.spans = [(start, end)]
         self.after: Optional[_Chunk] = None
         self.done = None
-        self.addresses: Optional[np.ndarray] = None
+        self.address = 0
+
+    def wait(self, stream) -> None:
+        """``stream``'s next work follows the reads of the chunk that had these rows last."""
+        if stream is not None and self.after is not None and self.after.done is not None:
+            stream.wait_event(self.after.done)
 
     def give_up(self, start: int, end: int) -> bool:
         """Rows ``start`` to ``end`` go to a later chunk: whether this one held some of them."""
@@ -376,7 +387,7 @@ class DeviceCopier:
         # Saves' drains to the host slots, apart from their gathers (which never queue behind
         # them), in staging buffers taken in turn.
         self._drain_stream = torch.cuda.Stream(self.device) if cuda else None
-        self._save_staging: Optional[_StagingRing] = None
+        self._save_staging: Optional[StagingRing] = None
         self._save_lock = threading.Lock()
         # The copy kernels (default on CUDA; on CPU under Triton's interpreter, for tests), else
         # the Rust region copier.
@@ -475,15 +486,14 @@ class DeviceCopier:
         with self._save_lock, on_side_stream(gathers, after):
             parts = self._chunks(len(slots), growing=False)
             chunks = [self._ring().take(len(part)) for part in parts]
-            staged = np.concatenate([chunk.addresses for chunk in chunks])
+            staged = np.concatenate([np.uint64(chunk.address) + np.arange(len(part), dtype=np.uint64)
+                                     * np.uint64(self.slot_bytes) for chunk, part in zip(chunks, parts)])
             into, lengths = self._slot_addresses(slots), self.block_bytes[groups]
             table = self._table(groups, block_ids, staged, staged, into, lengths // np.uint64(self.width), lengths)
             found = torch.empty(len(slots), dtype=torch.int64, device=self.device) if hashed else None
             try:
                 for part, chunk in zip(parts, chunks):
-                    reader = chunk.after
-                    if reader is not None and reader.done is not None:  # its rows' last reader first
-                        gathers.wait_event(reader.done)
+                    chunk.wait(gathers)  # its rows' last reader first
                     self._copy_blocks(groups, block_ids, staged, part, table, True, True)
                     gathered = recorded(gathers)
                     self.layout.pending_reads.add(block_ids[part], gathered)
@@ -519,12 +529,10 @@ class DeviceCopier:
                 used_on(tensor, stream)
         return [(part, chunk.done) for part, chunk in zip(parts, chunks)], found_on_host
 
-    def _ring(self) -> _StagingRing:
+    def _ring(self) -> StagingRing:
         """The saves' staging ring (allocated on the first save)."""
         if self._save_staging is None:
-            rows = SAVE_STAGING_CHUNKS * self.chunk_slots
-            memory = torch.empty(rows * self.slot_bytes, dtype=torch.uint8, device=self.device)
-            self._save_staging = _StagingRing(memory, rows, self.slot_bytes)
+            self._save_staging = StagingRing(self.device, SAVE_STAGING_CHUNKS * self.chunk_slots, self.slot_bytes)
         return self._save_staging
 
     # ---- loads -------------------------------------------------------------------------
