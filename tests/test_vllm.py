@@ -125,8 +125,8 @@ def _perturb_group_on_load(monkeypatch, group: int) -> list:
     original = HostArena.load
     perturbed = []
 
-    def load(self, slots, groups, block_ids):
-        ok = original(self, slots, groups, block_ids)
+    def load(self, slots, groups, block_ids, **kwargs):
+        ok = original(self, slots, groups, block_ids, **kwargs)
         ids = torch.tensor([b for g, b in zip(groups, block_ids) if g == group], dtype=torch.int64)
         if len(ids):
             for p in self.layout.groups[group].pieces:  # each piece of every block: (blocks, bytes)
