@@ -13,16 +13,16 @@ per block.
 The pool has a share for loads that saves cannot take (``StagingPool(load_bytes=...)``), so
 saves in flight never starve a load; ``staging_bytes_for`` sizes a pool for one step.
 
-On CPU the copies are raw region copies in the Rust core, synchronous (the fence is complete
-on return).  On CUDA they are the copy kernels of :mod:`kvstride.arena.device`, on side streams
+On CPU the copies are raw region copies in the Rust core, synchronous (the fence is complete on
+return). On CUDA they are the copy kernels of :mod:`kvstride.arena.device`, on side streams
 (gathers, their drains, scatters) ordered after the caller's stream (or an event of it,
 ``after=``), in chunks of at most ``CHUNK_BYTES``: a gather copies the blocks into device
 staging laid out as the pool is (every core helping, in a ring of rows the gathers share:
-``StagingRing``), then a kernel drains it into the pinned pool; a scatter copies the pool's range into device staging (the copy engine), then a kernel
-scatters it into the blocks.  The returned :class:`Fence` holds CUDA events: the caller's
-stream must wait for a gather's reads before it overwrites the blocks (``Fence.wait_stream``, or
-per block ``KVLayout.fence``; no host sync), and the host for all of it before the store reads
-the pool (``Fence.wait``).
+``StagingRing``), then a kernel drains it into the pinned pool; a scatter copies the pool's
+range into device staging (the copy engine), then a kernel scatters it into the blocks. The
+returned :class:`Fence` holds CUDA events: the caller's stream must wait for a gather's reads
+before it overwrites the blocks (``Fence.wait_stream``, or per block ``KVLayout.fence``; no
+host sync), and the host for all of it before the store reads the pool (``Fence.wait``).
 
 With ``Transfer.header_room`` set (the engine sets it for a store that takes it,
 ``KVStore.takes_header_room``), each entry is staged after that many free bytes, room for the

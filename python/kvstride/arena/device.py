@@ -40,7 +40,6 @@ themselves are checked on CPU memory by Triton's interpreter, and on CUDA by the
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import functools
 import threading
@@ -53,8 +52,9 @@ from kvstride import _core
 from kvstride.arena import device_xxh3
 from kvstride.copies import PieceTable
 
-__all__ = ["BlockKernels", "DeviceCopier", "StagingRing", "SAVE_STAGING_CHUNKS", "CHUNK_BYTES", "COPY_PROGRAMS", "DMA_RUNS", "access_width", "chunk_sizes",
-           "copy_rows", "launch_copy_rows", "on_side_stream", "recorded", "slot_runs", "to_host", "used_on"]
+__all__ = ["BlockKernels", "DeviceCopier", "StagingRing", "SAVE_STAGING_CHUNKS", "CHUNK_BYTES", "COPY_PROGRAMS",
+           "DMA_RUNS", "access_width", "chunk_sizes", "copy_rows", "launch_copy_rows", "on_side_stream", "recorded",
+           "slot_runs", "to_host", "used_on"]
 
 #: One chunk at most: a save's (its staging holds ``SAVE_STAGING_CHUNKS``), a load's, and
 #: the bytes whose digests are computed (saves) or checked (loads) while the previous or next
@@ -385,7 +385,7 @@ class DeviceCopier:
         self._urgent_stream = torch.cuda.Stream(self.device, priority=-1) if cuda else None
         self._load_stream = torch.cuda.Stream(self.device) if cuda else None
         # Saves' drains to the host slots, apart from their gathers (which never queue behind
-        # them), in staging buffers taken in turn.
+        # them), out of the rows of a staging ring (``StagingRing``).
         self._drain_stream = torch.cuda.Stream(self.device) if cuda else None
         self._save_staging: Optional[StagingRing] = None
         self._save_lock = threading.Lock()
