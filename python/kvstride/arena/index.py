@@ -76,7 +76,6 @@ class SlotIndex:
         self._doomed: set = set()  # dropped slots still pinned: freed when the last load ends
         self.order = PrefixOrder()  # the ready keys' eviction order
         self.evictions = 0
-        self.quarantined = 0  # slots of given-up saves a rank may still copy into
         self.version = 0  # moves whenever the ready keys change: a lookup's answer stands until then
 
     def __len__(self) -> int:
@@ -239,12 +238,7 @@ class SlotIndex:
 
     def abandon(self, keys: Sequence[str]) -> None:
         """A rank failed to write these keys: their slots are free again."""
-        for key in keys:
-            self._pending_ranks.pop(key, None)
-            slot = self._writing.pop(key, None)
-            if slot is not None:
-                del self._key_of[slot]
-                self._free.append(slot)
+        self.release(self.quarantine(keys))
 
     def quarantine(self, keys: Sequence[str]) -> List[int]:
         """A save given up while a rank may still copy into these keys' slots: the keys are
@@ -257,13 +251,11 @@ class SlotIndex:
             if slot is not None:
                 del self._key_of[slot]
                 held.append(slot)
-        self.quarantined += len(held)
         return held
 
     def release(self, slots: Sequence[int]) -> None:
-        """Slots ``quarantine`` held: every copy into them ended, they are free again."""
+        """Slots ``quarantine`` held: no copy writes them any more, they are free again."""
         self._free.extend(slots)
-        self.quarantined -= len(slots)
 
     def clear(self) -> bool:
         """Forget every ready key (``reset_prefix_cache(reset_connector=True)``); refused

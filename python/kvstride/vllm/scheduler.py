@@ -441,7 +441,7 @@ class SchedulerSide(Outcomes):
         block = self._state_block
         if not block or scheduled < block or end % block == 0 or end % self.planner.hash_block_size == 0:
             return
-        if end >= int(getattr(request, "num_prompt_tokens", 0) or 0):
+        if end >= request.num_prompt_tokens:
             return
         self._log_once(
             "state-alignment",
