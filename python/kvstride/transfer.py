@@ -50,6 +50,8 @@ from .arena.device import (
     BlockKernels,
     StagingRing,
     chunk_sizes,
+    digests_to_host,
+    drain_chunk,
     on_side_stream,
     recorded,
     to_host,
@@ -467,20 +469,16 @@ class Transfer:
                 kernels.blocks(table, groups, first, end - first, True, kernels.device_programs)
                 read = recorded(gathers)
                 self.layout.pending_reads.add(block_ids[first:end], read)
-                with on_side_stream(drains, read):
-                    if digests:
-                        with on_side_stream(hashes, read):
-                            device_xxh3.launch_xxh3_rows(kernels.origin, table, first, end - first, 2, 6, found)
-                    # A kernel, not the copy engine: a launch costs the caller the same at any size.
+
+                def drain(k=k, nbytes=nbytes) -> None:  # a kernel: a launch costs the caller the same at any size
                     kernels.rows(table[3:], k, 1, nbytes, kernels.programs)
-                    if digests and drains is not None:  # the rows are read until the hash ended too
-                        drains.wait_stream(hashes)
-                    chunk.done = recorded(drains)
+
+                def digest(first=first, end=end) -> None:
+                    device_xxh3.launch_xxh3_rows(kernels.origin, table, first, end - first, 2, 6, found)
+
+                drain_chunk(chunk, read, drains, hashes, drain, digest if digests else None)
             if digests:
-                with on_side_stream(hashes, None):  # after every chunk's hash
-                    batch.digests = to_host(found).numpy().view(np.uint64)
-                if drains is not None:
-                    drains.wait_stream(hashes)
+                batch.digests = digests_to_host(found, drains, hashes).numpy().view(np.uint64)
             for tensor, stream in ((table, drains), (table, hashes), (found, hashes)):
                 used_on(tensor, stream)
             return Fence(recorded(drains), read)

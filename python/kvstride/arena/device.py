@@ -53,8 +53,8 @@ from kvstride.arena import device_xxh3
 from kvstride.copies import PieceTable
 
 __all__ = ["BlockKernels", "DeviceCopier", "StagingRing", "SAVE_STAGING_CHUNKS", "CHUNK_BYTES", "COPY_PROGRAMS",
-           "DMA_RUNS", "access_width", "chunk_sizes", "copy_rows", "launch_copy_rows", "on_side_stream", "recorded",
-           "slot_runs", "to_host", "used_on"]
+           "DMA_RUNS", "access_width", "chunk_sizes", "copy_rows", "digests_to_host", "drain_chunk", "launch_copy_rows",
+           "on_side_stream", "recorded", "slot_runs", "to_host", "used_on"]
 
 #: One chunk at most: a save's (its staging holds ``SAVE_STAGING_CHUNKS``), a load's, and
 #: the bytes whose digests are computed (saves) or checked (loads) while the previous or next
@@ -224,6 +224,31 @@ class _Chunk:
         held = kept != self.spans
         self.spans = kept
         return held
+
+
+def drain_chunk(chunk: _Chunk, gathered, drains, hashes, drain: Callable[[], None],
+                digest: Optional[Callable[[], None]] = None) -> None:
+    """A gathered chunk's ``drain`` to host memory on ``drains``, after its gather (event
+    ``gathered``), with its ``digest`` beside it on ``hashes``; the chunk's staging rows are read
+    until ``chunk.done``, after both."""
+    with on_side_stream(drains, gathered):
+        if digest is not None:
+            with on_side_stream(hashes, gathered):
+                digest()
+        drain()
+        if digest is not None and drains is not None:
+            drains.wait_stream(hashes)
+        chunk.done = recorded(drains)
+
+
+def digests_to_host(found: torch.Tensor, drains, hashes) -> torch.Tensor:
+    """The digests every chunk's hash wrote into ``found``, copied to the host after them; what
+    ``drains`` records next follows the copy."""
+    with on_side_stream(hashes, None):
+        on_host = to_host(found)
+    if drains is not None:
+        drains.wait_stream(hashes)
+    return on_host
 
 
 def _programs(programs: int, work: int) -> Tuple[int]:
@@ -497,27 +522,22 @@ class DeviceCopier:
                     self._copy_blocks(groups, block_ids, staged, part, table, True, True)
                     gathered = recorded(gathers)
                     self.layout.pending_reads.add(block_ids[part], gathered)
-                    with on_side_stream(drains, gathered):
-                        if hashed:  # beside the drain, on a stream of its own
-                            with on_side_stream(hashes, gathered):
-                                device_xxh3.launch_xxh3_rows(self.kernels.origin, table, int(part[0]), len(part), 2, 6,
-                                                             found)
+
+                    def drain(part=part) -> None:
                         if table is None:
                             copy_rows(staged[part], into[part], lengths[part])
                         else:  # a kernel, not the copy engine: a launch costs the caller the same at any size
                             self.kernels.rows(table[3:], int(part[0]), len(part), int(lengths[part].max()),
                                               self.kernels.programs)
-                        if hashed and drains is not None:  # the rows are read until the hash ended too
-                            drains.wait_stream(hashes)
-                        chunk.done = recorded(drains)
+
+                    def digest(part=part) -> None:
+                        device_xxh3.launch_xxh3_rows(self.kernels.origin, table, int(part[0]), len(part), 2, 6, found)
+
+                    drain_chunk(chunk, gathered, drains, hashes, drain, digest if hashed else None)
+                found_on_host = None
                 if hashed:
-                    with on_side_stream(hashes, None):  # after every chunk's hash
-                        found_on_host = to_host(found)
-                    if drains is not None:  # the last chunk's event follows the digests' copy too
-                        drains.wait_stream(hashes)
-                        chunks[-1].done = recorded(drains)
-                else:
-                    found_on_host = None
+                    found_on_host = digests_to_host(found, drains, hashes)
+                    chunks[-1].done = recorded(drains)  # after the digests' copy too
             except BaseException:
                 # The save fails with chunks already queued: they end before it is reported
                 # failed, when its slots are free to take another key's value.
