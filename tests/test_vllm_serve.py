@@ -397,14 +397,21 @@ def served(workdir: Path, env: Dict[str, str], name: str, path: str, connector: 
     """The server for model ``name`` with the harness's engine settings, scheduler and worker in
     processes of their own (``--distributed-executor-backend mp``; a one-device server would
     otherwise run ``uni``: the worker inside the EngineCore process)."""
-    port = _free_port()
-    argv = [
-        sys.executable, "-m", "vllm.entrypoints.openai.api_server",
-        *_cli(harness.engine_kwargs(harness.MODELS[name], path, backend="mp")),
-        "--worker-extension-cls", "vllm_harness.KVRandomizer", "--host", "127.0.0.1", "--port", str(port),
-    ]
+    argv = [*_cli(harness.engine_kwargs(harness.MODELS[name], path, backend="mp")),
+            "--worker-extension-cls", "vllm_harness.KVRandomizer"]
     if connector is not None:
         argv += ["--kv-transfer-config", json.dumps(_transfer_config(connector))]
+    with api_server(workdir, env, name, argv) as server:
+        yield server
+
+
+@contextmanager
+def api_server(workdir: Path, env: Dict[str, str], name: str, argv: List[str]):
+    """``vllm.entrypoints.openai.api_server`` with ``argv`` on a free loopback port, healthy,
+    its log in ``workdir``; stopped on exit."""
+    port = _free_port()
+    argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", *argv,
+            "--host", "127.0.0.1", "--port", str(port)]
     log_path = workdir / f"server-{name}-{port}.log"
     with open(log_path, "w") as log:
         proc = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
@@ -717,21 +724,14 @@ def test_a_hybrid_prompt_sent_again_hits_under_vllm_defaults_given_the_block_siz
     prompt's chunk inside a Mamba state block and keeps no state to store: no hit, and kvstride
     says why once."""
     path = harness.MODELS["qwen3_next"].build(tmp_path / "qwen3_next")
-    port = _free_port()
     argv = [
-        sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", path, "--load-format", "safetensors",
-        "--skip-tokenizer-init", "--enforce-eager", "--max-model-len", "2048", "--kv-cache-memory-bytes",
-        str(96 << 20), "--host", "127.0.0.1", "--port", str(port),
+        "--model", path, "--load-format", "safetensors", "--skip-tokenizer-init", "--enforce-eager",
+        "--max-model-len", "2048", "--kv-cache-memory-bytes", str(96 << 20),
         "--kv-transfer-config", json.dumps(_transfer_config({"store": "embedded"})),
     ]
     if block_size:
         argv += ["--block-size", str(block_size)]
-    log_path = workdir / f"server-hybrid-{port}.log"
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen(argv, env=base_env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    try:
-        server = Server(proc, port, log_path)
-        server.wait_healthy()
+    with api_server(workdir, base_env, "hybrid", argv) as server:
         prompt = [(7 * i + 3) % 500 + 3 for i in range(700)]
         hits = []
         for _ in range(2):
@@ -739,7 +739,5 @@ def test_a_hybrid_prompt_sent_again_hits_under_vllm_defaults_given_the_block_siz
             server.complete(prompt)
             server.drain()
             hits.append(server.metrics()[EXTERNAL_HITS + "_total"] - before)
-    finally:
-        _stop(proc)
-    said = log_path.read_text().count("inside a 256-token Mamba state block")
+    said = server.log_path.read_text().count("inside a 256-token Mamba state block")
     assert hits == [0, hit] and said == (0 if hit else 1), (hits, said)
