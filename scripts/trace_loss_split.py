@@ -19,7 +19,8 @@ from __future__ import annotations
 import argparse
 from typing import Dict, List
 
-from kvstride.trace import TRACE_BLOCK, ReplayConfig, TraceReplay, load_model, parse_size, read_trace
+from kvstride.trace import TRACE_BLOCK, ReplayConfig, TraceReplay, load_model, read_trace
+from kvstride.sizes import parse_size
 
 
 def hits_per_request(replay: TraceReplay, trace, policy: str, capacity: int) -> List[int]:

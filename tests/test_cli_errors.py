@@ -14,8 +14,9 @@ BAD = [
     (["simulate", "--batch", "0"], "--batch", ">= 1"),
     (["simulate", "--conversations=-3"], "--conversations", ">= 1"),
     (["simulate", "--conversations", "0"], "--conversations", ">= 1"),
-    (["simulate", "--store-mb=-1"], "--store-mb", ">= 0"),
-    (["simulate", "--store-mb", "0"], "--store-mb 0", "> 0"),
+    (["simulate", "--store-bytes=-1"], "--store-bytes", "512MiB"),
+    (["simulate", "--store-bytes", "64 lots"], "--store-bytes", "512MiB"),
+    (["simulate", "--store-bytes", "0"], "--store-bytes 0", "> 0"),
     (["simulate", "--fault-every=-1"], "--fault-every", ">= 0"),
     (["simulate", "--plot", "/nope/x.png"], "--plot", "does not exist"),
     (["simulate", "--plot", "x.txt"], "--plot", ".png"),
@@ -27,7 +28,7 @@ BAD = [
     (["explain", "--dcp", "0"], "--dcp", ">= 1"),
     (["explain", "--groups", ""], "--groups", "full_attention:16"),
     (["simulate", "--groups", "  "], "--groups", "full_attention:16"),
-    (["store", "serve", "--bytes", "-600"], "--bytes", "512MB"),
+    (["store", "serve", "--bytes", "-600"], "--bytes", "512MiB"),
     (["store", "serve", "--bytes", "1G", "--config-out", "/nope/dir/x.json"], "--config-out", "does not exist"),
     (["store", "serve", "--bytes", "1G", "--host", "nohost.invalid"], "--host", "address"),
     (["store", "serve", "--bytes", "1G", "--secret-file", "/nope/kvstride/deploy.key"], "--secret-file", "mkdir -p"),
@@ -168,7 +169,7 @@ BAD_CONFIGS = [
     (_transfer({"store": "redis"}), "redis", "'embedded'"),
     (_transfer({"store": "mooncake", "disk_path": "/tmp"}), "disk_path", "store 'embedded'"),
     (_transfer({"disk_bytes": "4TiB"}), "disk_bytes", "disk_path"),
-    (_transfer({"store_bytes": "lots"}), "store_bytes", "'512MB'"),
+    (_transfer({"store_bytes": "lots"}), "store_bytes", "'512MiB'"),
     (_transfer({"load_timeout_s": -1}), "load_timeout_s", "seconds"),
     (_transfer({"trust_client_mm_uuids": "yes"}), "trust_client_mm_uuids", "true or false"),
     (_transfer({"admission": "lru"}), "admission", "kvstride, dense"),
@@ -188,14 +189,15 @@ def test_check_config_names_each_mistake_in_one_line(capsys, monkeypatch, config
 
 
 def test_check_config_accepts_the_readme_lines_and_reads_the_model(capsys, tmp_path):
-    """Every embedded-store ``--kv-transfer-config`` line of the README passes (a disk tier's
+    """Every embedded-store ``--kv-transfer-config`` line of the README and docs/OPERATING.md passes (a disk tier's
     folder where it exists); with ``--model`` the lookup alignment of the model's groups is
     printed."""
     import re
     from pathlib import Path
 
-    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
-    lines = [json.loads(m) for m in re.findall(r"--kv-transfer-config '(\{.*?\})'", readme)]
+    root = Path(__file__).resolve().parents[1]
+    documents = "".join((root / name).read_text() for name in ("README.md", "docs/OPERATING.md"))
+    lines = [json.loads(m) for m in re.findall(r"--kv-transfer-config '(\{.*?\})'", documents)]
     embedded = [t for t in lines if t["kv_connector_extra_config"].get("store", "embedded") == "embedded"]
     assert embedded
     for transfer in embedded:
@@ -205,3 +207,14 @@ def test_check_config_accepts_the_readme_lines_and_reads_the_model(capsys, tmp_p
         assert cli.main(["check-config", json.dumps(transfer)]) == 0
     assert cli.main(["check-config", _transfer({}), "--model", "qwen3-next-80b"]) == 0
     assert "hits are whole multiples of 544 tokens" in capsys.readouterr().out
+
+
+def test_every_size_reads_one_grammar():
+    """The connector's sizes, ``store serve --bytes`` and the command's size options read the
+    same forms alike: binary units, whatever the spelling."""
+    from kvstride.cli import _capacities, _disk_size, _size
+    from kvstride.sizes import parse_size
+
+    for text in ("256G", "256GB", "256GiB", "256 gib", "0.25T"):
+        assert parse_size(text) == _capacities(text)[0] == _disk_size(text) == _size(text) == 256 << 30
+    assert parse_size("1P") == 1 << 50 and parse_size(4096) == 4096

@@ -18,7 +18,7 @@ from kvstride.stores.mooncake_master import _free_port
 
 ENV = dict(os.environ, MC_LOG_LEVEL="ERROR")
 SMALL_SIMULATION = ["--preset", "llama", "--conversations", "2", "--batch", "1", "--turns", "1", "--system-tokens", "64",
-                    "--user-tokens", "16", "--reply-tokens", "16", "--store-mb", "16", "--quiet"]
+                    "--user-tokens", "16", "--reply-tokens", "16", "--store-bytes", "16M", "--quiet"]
 
 
 @pytest.fixture

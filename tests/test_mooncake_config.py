@@ -120,7 +120,7 @@ def test_parse_size_names_the_setting():
 
 
 def test_sizes_are_shown_in_the_units_they_are_given_in():
-    from kvstride.mooncake_config import format_size, parse_size
+    from kvstride.sizes import format_size, parse_size
 
     assert [format_size(n) for n in (0, 1000, 4096, 67092480, 1 << 30, 1536 << 20, 1 << 40)] == [
         "0 B", "1000 B", "4 KiB", "63.98 MiB", "1 GiB", "1.5 GiB", "1 TiB"]

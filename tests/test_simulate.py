@@ -18,7 +18,7 @@ from kvstride.arena import HostArena
 # 4 conversations in batches of 2 over 4 turns: 8 request batches, so --fault-every 2
 # injects a fault before batches 2, 4 and 6: corrupt, restart, evict.
 SMALL = ["--conversations", "4", "--batch", "2", "--turns", "4", "--user-tokens", "100", "--reply-tokens", "60",
-         "--chunk-tokens", "256", "--token-bytes", "16", "--state-bytes", "1024", "--store-mb", "64", "--quiet"]
+         "--chunk-tokens", "256", "--token-bytes", "16", "--state-bytes", "1024", "--store-bytes", "64M", "--quiet"]
 
 
 def system_tokens(preset: str) -> str:
@@ -157,7 +157,7 @@ def test_the_embedded_store_over_a_disk_tier_hits_what_memory_evicted_and_again_
     """1 MiB of memory holds about half the conversations' values: the disk tier below it serves
     the rest (every loaded byte verified), and a second run on the same folder, a new store,
     hits from the records the first one left."""
-    base = ["simulate", "--preset", "glm-ring", "--store-mb", "1", "--conversations", "8", "--turns", "3", "--json"]
+    base = ["simulate", "--preset", "glm-ring", "--store-bytes", "1M", "--conversations", "8", "--turns", "3", "--json"]
     disk = ["--disk-path", str(tmp_path), "--disk-bytes", "256M"]
     results = []
     for extra in ([], disk, disk):

@@ -392,7 +392,7 @@ def test_explain_needs_no_torch():
 
 def test_simulate_against_store_serve_is_a_pure_client(tmp_path):
     """The documented pairing: ``kvstride simulate --store mooncake://HOST:PORT`` against ``kvstride
-    store serve``, with no --store-mb and no host address: a pure client, its values in the server's
+    store serve``, with no --store-bytes and no host address: a pure client, its values in the server's
     segment."""
     config_path, log_path = tmp_path / "engines.json", tmp_path / "serve.err"
     server = _serve(log_path, "--bytes", "128M", "--config-out", str(config_path))

@@ -25,9 +25,9 @@ from kvstride.trace import (
     block_tokens,
     list_models,
     load_model,
-    parse_size,
     read_trace,
 )
+from kvstride.sizes import parse_size
 
 # Attention and Mamba blocks of 512 tokens (one trace block each): S = H = alignment = 512.
 TOY = {

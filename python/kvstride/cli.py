@@ -81,11 +81,11 @@ def _writable_path(suffix: Optional[str] = None):
 
 def _positive_size(text: str, example: str) -> int:
     """A size such as 256G or 4TiB (binary units), > 0."""
-    from kvstride.trace import parse_size
+    from kvstride.sizes import parse_size
 
     try:
         size = parse_size(text)
-    except (ValueError, OverflowError):  # not a number; inf
+    except (ValueError, OverflowError):  # not a size; inf
         size = None
     if size is None or size <= 0:
         raise argparse.ArgumentTypeError(f"{text!r}: give a size > 0 such as {example}")
@@ -98,6 +98,16 @@ def _capacities(text: str) -> List[int]:
     if not out:
         raise argparse.ArgumentTypeError(f"{text!r}: give sizes such as 256G,1T")
     return out
+
+
+def _size(text: str) -> int:
+    """``--store-bytes``: one size >= 0."""
+    from kvstride.sizes import parse_size
+
+    try:
+        return parse_size(text)
+    except (ValueError, OverflowError) as e:
+        raise argparse.ArgumentTypeError(f"{text!r}: give a size such as 1G or 512MiB") from e
 
 
 def _disk_size(text: str) -> int:
@@ -326,9 +336,9 @@ def simulate(mix: Mix, args) -> int:
         return 2
     remote = args.store.startswith("mooncake://")
     # A store of its own holds the values; a client of another's (store serve) holds none.
-    store_mb = args.store_mb if args.store_mb is not None else 0 if remote else 1024
-    if store_mb == 0 and not remote:
-        print(f"kvstride simulate: --store-mb 0: the {args.store} store needs room; give a size in MiB > 0",
+    store_bytes = args.store_bytes if args.store_bytes is not None else 0 if remote else 1 << 30
+    if store_bytes == 0 and not remote:
+        print(f"kvstride simulate: --store-bytes 0: the {args.store} store needs room; give a size > 0 such as 1G",
               file=sys.stderr)
         return 2
     cfg = SimConfig(
@@ -342,7 +352,7 @@ def simulate(mix: Mix, args) -> int:
         token_bytes=args.token_bytes,
         state_bytes=args.state_bytes,
         store=args.store,
-        store_bytes=store_mb << 20,
+        store_bytes=store_bytes,
         disk_path=args.disk_path,
         disk_bytes=args.disk_bytes or 0,
         algo=args.algo,
@@ -507,7 +517,7 @@ def _report_sockets(master, holder) -> None:
             f"kvstride store: WARNING: {', '.join(wild)} listen on all interfaces whatever --host says: Mooncake's "
             "TCP transport binds its data port to [::] (dual-stack) and its handshake port to 0.0.0.0 and offers no "
             "option to bind one address. Whoever reaches them can read and write any memory of that process: run the "
-            "store and the engines on an isolated network or behind a firewall (README: Trust model). "
+            "store and the engines on an isolated network or behind a firewall (docs/OPERATING.md: Trust model). "
             f"All: {describe(sockets['segment_holder'])}",
             file=sys.stderr,
             flush=True,
@@ -554,7 +564,8 @@ def store_serve(args) -> int:
     import signal
     import threading
 
-    from kvstride.mooncake_config import MooncakeClientConfig, parse_size
+    from kvstride.mooncake_config import MooncakeClientConfig
+    from kvstride.sizes import parse_size
     from kvstride.stores import MooncakeStore, start_master
 
     try:
@@ -691,9 +702,9 @@ def build_parser() -> argparse.ArgumentParser:
     sim.add_argument("--reply-tokens", type=_NON_NEGATIVE, default=200, help="tokens each reply adds")
     sim.add_argument("--token-bytes", type=_POSITIVE, default=64, help="KV bytes per token per attention group")
     sim.add_argument("--state-bytes", type=_POSITIVE, default=16384, help="bytes of one Mamba state")
-    sim.add_argument("--store-mb", type=_NON_NEGATIVE, default=None,
-                     help="store capacity in MiB (default 1024; with mooncake://HOST:PORT 0: a pure client of "
-                     "that store, as against kvstride store serve)")
+    sim.add_argument("--store-bytes", type=_size, default=None,
+                     help="store capacity, a size such as 1G or 512MiB (default 1G; with mooncake://HOST:PORT 0: a "
+                     "pure client of that store, as against kvstride store serve)")
     sim.add_argument(
         "--fault-every",
         type=_NON_NEGATIVE,
@@ -922,7 +933,7 @@ def check_config(parser: argparse.ArgumentParser, args, out=None) -> int:
 TRACE_ONLY = ("capacity", "policy", "limit", "checkpoints", "retention_interval", "value_weight", "hedge_tokens",
               "decode_states", "disk_policy")
 WORKLOAD_ONLY = ("store", "conversations", "turns", "batch", "system_tokens", "user_tokens", "reply_tokens",
-                 "token_bytes", "state_bytes", "store_mb", "fault_every", "chunk_tokens", "load_timing", "disk_path")
+                 "token_bytes", "state_bytes", "store_bytes", "fault_every", "chunk_tokens", "load_timing", "disk_path")
 
 
 #: What Mooncake's client prints at every start, explained once by the commands that start one.

@@ -18,7 +18,7 @@ import threading
 
 import torch
 
-from kvstride.mooncake_config import format_size
+from kvstride.sizes import format_size
 
 __all__ = ["host_buffer", "pinned_bytes"]
 

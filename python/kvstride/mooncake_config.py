@@ -28,6 +28,8 @@ import re
 from dataclasses import dataclass
 from typing import Any, Mapping, Optional
 
+from kvstride.sizes import parse_size
+
 __all__ = [
     "CONFIG_PATH_ENV",
     "DEFAULT_SEGMENT_BYTES",
@@ -36,7 +38,6 @@ __all__ = [
     "MooncakeClientConfig",
     "MooncakeDependencyError",
     "missing_library",
-    "parse_size",
     "resolve_client_config",
     "resolve_local_hostname",
 ]
@@ -59,8 +60,6 @@ OVERRIDE_KEYS = {
     "mooncake_local_hostname": "local_hostname",
 }
 _MODES = ("embedded", "standalone-store")
-_UNITS = {None: 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
-_SIZE = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*(?:([kmgt])(?:i?b)?|b)?\s*$", re.IGNORECASE)
 _WILDCARDS = ("0.0.0.0", "::", "[::]", "*")
 # The dynamic loader's words for a shared library it could not load (a process exits with 127;
 # Python's ImportError carries the same text).
@@ -118,32 +117,6 @@ class MooncakeClientConfig:
         if self.local_hostname is not None:
             settings["local_hostname"] = self.local_hostname
         return settings
-
-
-def parse_size(value: Any, name: str = "size") -> int:
-    """Bytes from an int or a string like "8GB", "512MB", "64M", "1.5 GiB" (units of 1024)."""
-    if isinstance(value, bool) or not isinstance(value, (int, float, str)):
-        raise ValueError(f"{name} must be a byte count or a string like '8GB', got {value!r}")
-    if isinstance(value, str):
-        match = _SIZE.match(value)
-        if not match:
-            raise ValueError(f"{name} {value!r} is not a size: use bytes or a number with KB, MB or GB, e.g. '512MB'")
-        number, unit = match.groups()
-        return int(float(number) * _UNITS[unit and unit.lower()])  # "1.1GB" rounds down, as in vLLM
-    if value < 0 or (isinstance(value, float) and not value.is_integer()):
-        raise ValueError(f"{name} must be a whole, non-negative number of bytes, got {value!r}")
-    return int(value)
-
-
-def format_size(nbytes: int) -> str:
-    """``nbytes`` as a person reads it, in the units ``parse_size`` takes: "64 MiB", "1.5 GiB",
-    "4 KiB"; bytes below 1 KiB as they are."""
-    value, unit = float(nbytes), "B"
-    for bigger in ("KiB", "MiB", "GiB", "TiB", "PiB"):
-        if abs(value) < 1024:
-            break
-        value, unit = value / 1024, bigger
-    return f"{int(value)} B" if unit == "B" else f"{value:.2f}".rstrip("0").rstrip(".") + f" {unit}"
 
 
 def resolve_local_hostname(

@@ -310,15 +310,6 @@ def _bytes_text(n: float) -> str:
     return f"{int(n)}B"
 
 
-def parse_size(text: str) -> int:
-    """``256G``, ``1T``, ``512M``, ``1.5T``, or bytes; binary units (GiB, TiB)."""
-    t = text.strip().upper().rstrip("B").rstrip("I")
-    mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40, "P": 1 << 50}
-    if t and t[-1] in mult:
-        return int(float(t[:-1]) * mult[t[-1]])
-    return int(float(t))
-
-
 class TraceReplay:
     """Shared per model: the trie, the planner and cached keys; one :meth:`run` per policy and
     capacity."""

@@ -30,7 +30,7 @@ from typing import List, Optional, Sequence, Tuple
 import numpy as np
 
 from kvstride import _core
-from kvstride.mooncake_config import format_size
+from kvstride.sizes import format_size
 from kvstride.stores.base import HEADER_BYTES, KVStore
 
 __all__ = ["DISK_ALIGN", "DiskSpec", "DiskRecords", "DiskLane", "record_bytes", "check_disk_folder",

@@ -10,7 +10,7 @@ from typing import Optional
 
 import numpy as np
 
-from kvstride.mooncake_config import format_size
+from kvstride.sizes import format_size
 from kvstride.stores.base import KVStore, Status, _copy_parts
 
 __all__ = ["EmbeddedStore"]

@@ -19,7 +19,8 @@ from kvstride.arena import ArenaPlacement, ArenaSlots, slots_for
 from kvstride.arena.disk import DISK_ALIGN, DiskSpec, check_disk_folder, existing_records_bytes, record_bytes
 from kvstride.arena.disk_index import DiskIndex
 from kvstride.connector_checks import check_store_kind
-from kvstride.mooncake_config import format_size, parse_size, resolve_client_config
+from kvstride.mooncake_config import resolve_client_config
+from kvstride.sizes import format_size, parse_size
 from kvstride.stores import KVStore, MooncakeStore
 from kvstride.stores.placement import StorePlacement
 from kvstride.transfer import StagingPool, Transfer, header_room_for, staging_bytes_for
