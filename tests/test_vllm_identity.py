@@ -412,3 +412,30 @@ def test_check_config_raises_what_the_connector_raises(llama_dir, extra, policy)
     with pytest.raises(ValueError) as in_vllm:
         resolve_config(vllm_config(llama_dir, extra, policy=policy), kv_cache_config(), worker=False)
     assert str(offline.value) == str(in_vllm.value)
+
+
+@pytest.mark.parametrize("extra", [
+    {"store": "embedded", "secret_flie": "x"},
+    {"store": "redis"},
+    {"store": "embedded", "disk_path": "/nope/kvstride", "disk_bytes": "1G"},
+    {"store": "embedded", "store_bytes": "lots"},
+    {"store": "embedded", "secret_file": "/nope/kvstride/deploy.key"},
+])
+def test_the_connector_class_refuses_a_mistake_before_any_worker_starts(llama_dir, extra):
+    """vLLM asks the connector's class ``requires_piecewise_for_cudagraph(extra_config)`` while
+    it builds its configuration (with CUDA graphs of whole steps, its CUDA default), before a
+    worker starts or a model loads: kvstride answers with the connector's own error there."""
+    import inspect
+
+    from vllm.config import vllm as vllm_config_module
+
+    from kvstride.vllm import KVStrideConnector
+
+    assert "requires_piecewise_for_cudagraph(\n                    self.kv_transfer_config.kv_connector_extra_config" in (
+        inspect.getsource(vllm_config_module)), "vLLM no longer asks the connector's class while it builds its config"
+    with pytest.raises(ValueError) as early:
+        KVStrideConnector.requires_piecewise_for_cudagraph(extra)
+    with pytest.raises(ValueError) as in_vllm:
+        resolve_config(vllm_config(llama_dir, extra), kv_cache_config(), worker=False)
+    assert str(early.value) == str(in_vllm.value)
+    assert KVStrideConnector.requires_piecewise_for_cudagraph({"store": "embedded"}) is False

@@ -22,11 +22,13 @@ from kvstride.engine import (
     check_save_wait,
     check_staging_wait,
 )
-from kvstride.mooncake_config import OVERRIDE_KEYS, parse_size, resolve_client_config
+from kvstride.mooncake_config import OVERRIDE_KEYS, resolve_client_config
+from kvstride.sizes import parse_size
 from kvstride.secret import load_secret
 
 __all__ = ["CONNECTOR", "MODULE", "ADMISSION_POLICIES", "KNOWN_KEYS", "STORES", "check_known_keys",
-           "check_admission", "check_failure_policy", "check_store_kind", "check_extra", "check_transfer_config"]
+           "check_admission", "check_failure_policy", "check_store_kind", "check_extra", "check_extra_on_this_host",
+           "check_transfer_config"]
 
 #: How vLLM names and imports the connector (``--kv-transfer-config``).
 CONNECTOR, MODULE = "KVStrideConnector", "kvstride.vllm"
@@ -38,7 +40,7 @@ ADMISSION_POLICIES = ("kvstride", "dense")
 
 STORES = ("embedded", "mooncake")
 
-#: Every ``kv_connector_extra_config`` key the connector reads (README lists them): any other
+#: Every ``kv_connector_extra_config`` key the connector reads (docs/OPERATING.md lists them): any other
 #: is refused, so that a misspelled ``secret_file`` never runs a shared store unauthenticated.
 KNOWN_KEYS = frozenset({
     "store", "store_bytes", "disk_path", "disk_bytes", "staging_bytes", "save_wait_s", "staging_wait_s", "put_linger_s",
@@ -57,7 +59,7 @@ def check_known_keys(extra: dict) -> None:
             hint = f"did you mean {near[0]!r}? " if near else ""
             raise ValueError(
                 f"kv_connector_extra_config has an unknown key {key!r}: {hint}the connector reads "
-                f"{', '.join(sorted(KNOWN_KEYS))} (README: kv_connector_extra_config)"
+                f"{', '.join(sorted(KNOWN_KEYS))} (docs/OPERATING.md: kv_connector_extra_config)"
             )
 
 
@@ -114,6 +116,28 @@ def check_extra(extra: dict, failure_policy: Optional[str]) -> Optional[bytes]:
     ``kv_load_failure_policy``; returns the deployment key (``secret_file``), None without one."""
     check_known_keys(extra)
     check_failure_policy(failure_policy, extra)
+    return _check_settings(extra)
+
+
+def check_extra_on_this_host(extra: dict) -> None:
+    """What can be checked of ``kv_connector_extra_config`` alone, before vLLM starts a worker:
+    ``check_extra`` but the failure policy (vLLM passes the extra config alone), the disk tier's
+    folder and the Mooncake client's settings as read on this host."""
+    if not isinstance(extra, dict):
+        raise ValueError(f"kv_connector_extra_config must be a JSON object, got {type(extra).__name__}")
+    check_known_keys(extra)
+    _check_settings(extra)
+    _check_host(extra)
+
+
+def _check_host(extra: dict) -> None:
+    if "disk_path" in extra:
+        check_disk_folder(extra["disk_path"], 0, existing=existing_records_bytes(extra["disk_path"]))
+    if check_store_kind(extra) == "mooncake":
+        resolve_client_config(extra)
+
+
+def _check_settings(extra: dict) -> Optional[bytes]:
     _check_flag(extra, "trust_client_mm_uuids")
     check_store_kind(extra)
     for key in ("store_bytes", "disk_bytes", "staging_bytes"):
@@ -144,8 +168,5 @@ def check_transfer_config(transfer) -> dict:
         raise ValueError(f"kv_connector_extra_config must be a JSON object, got {type(extra).__name__}")
     # vLLM's own default when the key is absent.
     check_extra(extra, transfer.get("kv_load_failure_policy", "fail"))
-    if "disk_path" in extra:
-        check_disk_folder(extra["disk_path"], 0, existing=existing_records_bytes(extra["disk_path"]))
-    if check_store_kind(extra) == "mooncake":
-        resolve_client_config(extra)
+    _check_host(extra)
     return extra

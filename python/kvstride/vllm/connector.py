@@ -8,7 +8,7 @@ Use it with::
                      kv_role="kv_both", kv_load_failure_policy="recompute",
                      kv_connector_extra_config={"store": "embedded"})
 
-``kv_connector_extra_config`` (README.md lists every key):
+``kv_connector_extra_config`` (docs/OPERATING.md lists every key):
 
 - ``store``: ``"embedded"`` (default) keeps the bytes in the workers' host memory, in one
   arena of fixed-size slots per rank (``store_bytes``, default 1 GiB), with the index in the
@@ -45,6 +45,7 @@ from __future__ import annotations
 
 from typing import Optional, Tuple, Union
 
+from kvstride.connector_checks import check_extra_on_this_host
 from kvstride.vllm.config import resolve_config
 from kvstride.vllm.metadata import KVStrideMetadata, KVStrideWorkerMetadata
 from kvstride.vllm.scheduler import SchedulerSide
@@ -96,6 +97,15 @@ class KVStrideConnector(KVConnectorBase_V1, SupportsHMA):
     @classmethod
     def build_prom_metrics(cls, vllm_config, metric_types, labelnames, per_engine_labelvalues):
         return KVStridePromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+
+    @classmethod
+    def requires_piecewise_for_cudagraph(cls, extra_config) -> bool:
+        """vLLM asks this while it builds its configuration, before any worker starts, when its
+        CUDA graphs capture whole steps (vLLM's default on CUDA): the checks of
+        ``kv_connector_extra_config`` that need no engine run here, so that a mistake stops the
+        start before a model loads. kvstride's copies run outside any graph: no piecewise mode."""
+        check_extra_on_this_host(extra_config or {})
+        return False
 
     @classmethod
     def supports_sleep_mode(cls, kv_transfer_config) -> bool:
