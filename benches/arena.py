@@ -4,7 +4,7 @@ copy of the same bytes in the same run.
 
     python benches/arena.py [--blocks 256] [--layers 4] [--piece-kib 64] [--repeat 7] [--threads 1]
 
-The workload is issue 10's: one request of 256 blocks x 4 full-attention layers, 64 KiB per
+The workload: one request of 256 blocks x 4 full-attention layers, 64 KiB per
 layer and block (64 MiB), laid out the way vLLM's CPU backend lays out a layer
 (``[num_blocks, heads, block, 2*head_dim]``), on the arena the vLLM connector uses.
 """

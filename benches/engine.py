@@ -1,11 +1,11 @@
-"""``OffloadEngine`` end to end, driven as the README's "Driving the engine" does: save a
+"""``OffloadEngine`` end to end, driven as docs/LIBRARY.md's "Driving the engine" does: save a
 request's blocks (plan, copy, store), then look it up and load it into other blocks, with
 verified reads on, against raw copies of the same bytes in the same run.
 
     python benches/engine.py [--blocks 256] [--layers 4] [--piece-kib 64] [--repeat 31]
                              [--threads 1] [--stores embedded,mooncake]
 
-The workload is issue 10's: one request of 256 blocks x 4 full-attention layers, 64 KiB per
+The workload: one request of 256 blocks x 4 full-attention layers, 64 KiB per
 layer and block (64 MiB), in vLLM's CPU-backend layer layout. Every repetition saves a fresh
 request (new tokens, so new keys) and loads it back; the loaded blocks are checked byte for
 byte. Timed: ``submit`` of the save until the engine is idle (the save is stored), and the

@@ -36,7 +36,7 @@ def main():
         return out
 
     assert package() == _core.xxh3_64_batch(values)
-    tag_secret = _core.StoreSecret(bytes(range(32)))  # a deployment secret's payload tag (issue 17)
+    tag_secret = _core.StoreSecret(bytes(range(32)))  # a deployment secret's payload tag
     rows = [
         ("xxhash package, per value (baseline)", median_seconds(package, args.reps)),
         ("kvstride xxh3_64_parts, per value", median_seconds(lambda: [_core.xxh3_64_parts(v) for v in values], args.reps)),

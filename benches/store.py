@@ -17,7 +17,7 @@ and checked by the scatter that copies them out (get), so the store call itself 
 and checks headers; ``benches/engine.py`` times that whole path.  Ratio = raw time / kvstride
 time (goal >= 0.95).
 
-"MAC" rows: a store with a deployment secret (issue 17): the payload digest is a keyed tag
+"MAC" rows: a store with a deployment secret: the payload digest is a keyed tag
 (AEGIS-128X2-MAC) and the header carries a keyed MAC over key, length and tag; "tags with the
 copy" is again the engine's path (the tag rides the gather / scatter). The "gather" rows time
 what rides the copy: ``_save_rows`` copying the same values into staging alone, with the XXH3-64,

@@ -1,4 +1,4 @@
-//! A deployment secret (issue 17; SEMANTICS §3, "Keyed keys"): store keys that cannot be
+//! A deployment secret (SEMANTICS §3, "Keyed keys"): store keys that cannot be
 //! computed without it and value MACs that cannot be forged without it. Three subkeys derived
 //! from the secret with BLAKE3's key derivation (the `blake3` crate), one per use:
 //!

@@ -1,4 +1,4 @@
-"""kvstride.secret: the deployment key file (issue 17)."""
+"""kvstride.secret: the deployment key file."""
 
 import os
 

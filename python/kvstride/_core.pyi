@@ -224,7 +224,7 @@ def _xxh3_64_regions(addrs: np.ndarray, lengths: np.ndarray) -> np.ndarray:
 
 
 class StoreSecret:
-    """The value MAC of a deployment secret (>= 32 bytes; issue 17)."""
+    """The value MAC of a deployment secret (>= 32 bytes)."""
     def __init__(self, secret: bytes) -> None: ...
     def payload_tags(self, values: Sequence[Sequence[Any]]) -> list[int]:
         """u64_le(BLAKE3_keyed(k_payload, payload)[:8]) of each value (a list of parts)."""

@@ -594,7 +594,7 @@ def dedup_gets(gets: Sequence[Tuple[str, int, int]]) -> Tuple[List[str], List[Li
 
 
 # =============================================================================================
-# Keyed BLAKE3 (issue 17; SEMANTICS §3 "Keyed keys"): the reference algorithm, in plain Python
+# Keyed BLAKE3 (SEMANTICS §3 "Keyed keys"): the reference algorithm, in plain Python
 # =============================================================================================
 
 _B3_IV = (0x6A09E667, 0xBB67AE85, 0x3C6EF372, 0xA54FF53A, 0x510E527F, 0x9B05688C, 0x1F83D9AB, 0x5BE0CD19)

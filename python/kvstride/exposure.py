@@ -1,9 +1,9 @@
-"""What this process actually listens on (issue 17: honest exposure).
+"""What this process actually listens on (honest exposure).
 
 ``listening_sockets()`` reads the kernel's socket tables (``/proc/net/tcp``, ``/proc/net/tcp6``)
 and keeps the LISTEN sockets whose inodes this process holds open (``/proc/self/fd``): measured,
 not assumed from flags. Mooncake's TCP transport listens on every interface whatever address it
-is given (its data acceptor binds ``[::]`` dual-stack, see the README's trust model), and anyone
+is given (its data acceptor binds ``[::]`` dual-stack, see docs/OPERATING.md, "Trust model"), and anyone
 who reaches that port can read and write any memory of this process; logging what is open
 makes that visible.
 """
@@ -104,7 +104,7 @@ def log_listeners(who: str, pid: Optional[int] = None, level: int = logging.INFO
         log.warning(
             "%s: listens on %s; %d of them on all interfaces: whoever reaches those ports can read and write "
             "any memory of that process (Mooncake's TCP transport has no authentication and takes the address "
-            "a peer names); keep it on an isolated network (README: Trust model)", who, describe(listeners), len(wild),
+            "a peer names); keep it on an isolated network (docs/OPERATING.md: Trust model)", who, describe(listeners), len(wild),
         )
     else:
         log.log(level, "%s: listens on %s", who, describe(listeners))

@@ -1,4 +1,4 @@
-"""The deployment secret of a shared store (issue 17).
+"""The deployment secret of a shared store.
 
 One file holds the key: at least 32 bytes of key material, written as hex (64 hex digits for
 32 bytes; surrounding whitespace is ignored) or as raw bytes. Readable by its owner only

@@ -5,7 +5,7 @@ use crate::regions;
 use pyo3::prelude::*;
 use pyo3::types::PyBytes;
 
-/// `StoreSecret(secret: bytes)`: the value MAC of a deployment secret (issue 17; the key part
+/// `StoreSecret(secret: bytes)`: the value MAC of a deployment secret (the key part
 /// is `KeyPlanner(..., secret=)`). `payload_tags(values)`: each value's keyed payload tag (a
 /// u64, where `xxh3_64_batch` gives the XXH3-64), GIL released, over rayon's threads for big
 /// batches; `header_macs(keys, lengths, tags)`: the 16-byte MAC of each value's header.

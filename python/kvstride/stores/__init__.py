@@ -23,7 +23,7 @@ the layout fingerprint, a digest of the key, the payload length and the payload'
 part starts with 64 bytes of room where the header is written and read, so it moves inside
 that part instead of one of its own (the engine stages values so on CPU); same stored bytes.
 
-With a deployment secret (``MooncakeStore(..., secret=)``, issue 17) the header is version 3: the
+With a deployment secret (``MooncakeStore(..., secret=)``) the header is version 3: the
 digest field holds a keyed payload tag (an AEGIS-128X2 MAC of the payload) and the last 16
 bytes a keyed MAC over key, length and tag, so a value written without the secret is
 ``CORRUPT``, removed and counted (``counters["mac_rejected"]``), never loaded.

@@ -25,7 +25,7 @@ FORMAT_VERSION = 1
 _MAGIC = b"KVS\x01"
 _HDR = struct.Struct("<4sHH8s16sQQ")  # magic, version, flags, fingerprint, key digest, len, xxh3
 _FLAG_HASHED = 1
-# With a deployment secret (issue 17, ``secret=``): version 3, flags HASHED | MAC, the digest
+# With a deployment secret (``secret=``): version 3, flags HASHED | MAC, the digest
 # field holds the keyed payload tag T (``StoreSecret.payload_tags``: AEGIS-128X2-MAC under a
 # subkey of the secret, truncated to 64 bits) and bytes 48..64 the header
 # MAC, BLAKE3_keyed(k_mac, u32_le(len(key)) || key || u64_le(len) || u64_le(T))[:16]: together a

@@ -137,7 +137,7 @@ class MooncakeStore(KVStore):
             self._stop_owned()
             raise
         self._client = client
-        # Measured, not assumed (issue 17): what Mooncake's client opened in this process.
+        # Measured, not assumed: what Mooncake's client opened in this process.
         from kvstride.exposure import listening_sockets, log_listeners
 
         self.listeners = [x for x in listening_sockets() if x not in listening_before]

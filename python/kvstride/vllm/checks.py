@@ -80,14 +80,14 @@ SECRET_ON_TCP = (
     "but over protocol 'tcp' anyone who reaches the Mooncake data port of any engine or holder can "
     "read and write any memory of that process (the transport takes the address a peer names), the "
     "secret included: it protects only on a network where no untrusted host reaches those ports "
-    "(README: Trust model)"
+    "(docs/OPERATING.md: Trust model)"
 )
 
 UNAUTHENTICATED = (
     "kvstride: store 'mooncake' without a secret_file: values are unauthenticated and keys are a "
     "public function of the tokens, so any client of the Mooncake master can write KV this engine "
     "loads and probe which prompts were sent; set kv_connector_extra_config['secret_file'] "
-    "(`kvstride store serve --secret-file PATH` creates one; README: Trust model)"
+    "(`kvstride store serve --secret-file PATH` creates one; docs/OPERATING.md: Trust model)"
 )
 
 

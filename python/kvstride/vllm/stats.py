@@ -278,7 +278,7 @@ class Outcomes:
         if self.engine is not None:
             out.update(dict(self.engine.counters))
         counted = getattr(self.store, "counters", None)
-        if counted is not None:  # forged values the store's MAC check refused (issue 17)
+        if counted is not None:  # forged values the store's MAC check refused
             out["mac_rejected"] += counted.get("mac_rejected", 0)
         return out
 
