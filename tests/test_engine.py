@@ -505,9 +505,9 @@ def test_a_step_waiting_for_staging_room_ends_the_linger(rig_factory, monkeypatc
     """A step that finds the save share full while the lane lingers over the batches that
     hold it is not kept waiting for the linger: the lane puts them at once, and the step
     stages its blocks when they are released."""
-    import kvstride.engine as engine_module
+    import kvstride.engine.staged as staged_saves
 
-    monkeypatch.setattr(engine_module, "LINGER_ROOM_SHARE", 0.0)  # only the waiting step ends the linger
+    monkeypatch.setattr(staged_saves, "LINGER_ROOM_SHARE", 0.0)  # only the waiting step ends the linger
     rig, spy = spy_rig(rig_factory, "fa", pool_bytes=4096)  # saves: 3 KiB, FA blocks of 256 B
     rig.engine.put_linger_s = 60.0
     rig.engine.save_wait_s = 60.0
@@ -1021,7 +1021,7 @@ def test_bad_seconds_options_are_refused_at_construction(rig_factory, option, va
 
 
 def test_the_confirmed_offset_moves_across_contiguous_successes_only():
-    from kvstride.engine import _RequestState
+    from kvstride.engine.jobs import _RequestState
 
     state = _RequestState()
     state.confirm(64, 128)  # past a gap: held back

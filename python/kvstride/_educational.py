@@ -5,6 +5,10 @@ exactly the names and signatures of ``_core.pyi`` and follows ``SEMANTICS.md`` (
 normative text) line by line, favouring clarity over speed everywhere. Section numbers in
 the comments (``§n``) refer to that document.
 
+It is one file, longer than the project's others, on purpose: read top to bottom it is
+SEMANTICS.md executed, one section after the other, and splitting it would scatter the rules
+the differential tests hold the core to.
+
 Notation (as in SEMANTICS.md):
 
 - ``H``   hash block size: tokens covered by one chained hash. ``h[i]`` covers ``[0, (i+1)*H)``.

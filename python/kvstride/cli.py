@@ -1,6 +1,11 @@
 """The ``kvstride`` command: ``explain`` a group mix, ``simulate`` a chat workload through the
 offload engine, ``bench`` the core and data plane, ``store serve`` a Mooncake store that
-outlives the engines."""
+outlives the engines.
+
+One file for every subcommand's options, checks and messages: each command is a short
+``_cmd_*`` function over modules that do the work (``simulate``, ``trace``, ``explain`` in
+``kvstride._core``, ``stores.mooncake_master``), and most of its length is argparse's option
+tables and their one-line errors, which read best next to each other."""
 
 from __future__ import annotations
 

@@ -11,6 +11,9 @@ from the loaded one: as vLLM's ``preprocess_mamba`` does, a request's first comp
 copies the hit-state block into it, and every chunk carries that state (and any error in it)
 on into the hand-offs it stores. So the running state and the hand-offs are checked too, and a
 load that lands after the copy (``load_timing="sync"``) is caught.
+
+The workload, the simulated KV cache and the byte checks live together: the checks read the
+cache exactly as the workload wrote it.
 """
 
 from __future__ import annotations

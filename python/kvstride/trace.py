@@ -65,6 +65,9 @@ floored to the alignment). A trace carries no output tokens: a later request tha
 through all of an earlier prompt's full trace blocks and is at least that prompt and its output
 long is taken as its next turn, and the earlier request's decode checkpoint is written then,
 with its stamp (``decode_checkpoints`` counts them).
+
+The replay, its trie and its report live together: each policy's bookkeeping reads the same
+trie nodes, and the report names what the replay counted.
 """
 
 from __future__ import annotations

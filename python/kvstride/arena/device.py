@@ -36,6 +36,10 @@ unwritten. No byte then crosses host memory a second time.
 The same code runs on CPU tensors, each table executed by the Rust region copier (no streams:
 every copy is done when it returns), which is how the CPU test tier checks it; the kernels
 themselves are checked on CPU memory by Triton's interpreter, and on CUDA by the CUDA tests.
+
+It holds the whole device pipeline, the kernels, the staging ring, the streams and the digests,
+in one file, so that the ordering rules between them (which event waits for which copy) can be
+read in one place.
 """
 
 from __future__ import annotations

@@ -9,6 +9,9 @@ reads a freed block. Mamba ``align`` state is stored only from vLLM's boundary-s
 hand-offs (``kv_connector_block_state.boundary_state_offloads`` each step, and
 ``register_finished_partial_tail`` at a request's end, whose blocks vLLM keeps until
 ``finished_sending``), never read positionally from a block table vLLM mutates in place.
+
+It is the one place where vLLM's scheduler calls meet the core's plans; the lookups
+(:mod:`kvstride.vllm.lookups`), request bindings and metadata are in modules of their own.
 """
 
 from __future__ import annotations
@@ -316,9 +319,7 @@ class SchedulerSide(Outcomes):
             if hit is None or rid in failed or rid not in self._requests:
                 continue
             (state,) = self.engine.request_states([rid])
-            done_to = self.planner.saved_offset_after_load(hit)
-            state.confirm(0, done_to)
-            state.planned = max(state.planned, done_to)
+            state.loaded(self.planner, hit)
 
     # ---- saves --------------------------------------------------------------------------------
 
