@@ -475,3 +475,23 @@ def test_loss_split_classes_what_kvstride_misses_against_dense(toy):
     assert module.classify(trace) == [
         "nothing shared", "inside an earlier prompt", "all but the last whole block", "inside an earlier prompt"
     ]
+
+
+def test_cli_replays_at_the_default_capacities_and_a_disk_given_as_text(tmp_path):
+    """Without ``--capacity`` the replay runs at its default sizes (given as text), and
+    ``run_trace`` reads sizes as the command does."""
+    from kvstride.simulate import DEFAULT_TRACE_CAPACITIES, run_trace
+
+    model = tmp_path / "toy.json"
+    model.write_text(json.dumps(TOY))
+    trace = tmp_path / "trace.jsonl"
+    rows = [{"timestamp": i, "input_length": 1500, "output_length": 5, "hash_ids": [1, 2, 3 + i % 2]} for i in range(4)]
+    trace.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    out = io.StringIO()
+    with redirect_stdout(out):
+        assert main(["simulate", "--trace", str(trace), "--model", str(model), "--json", "--quiet"]) == 0
+    results = json.loads(out.getvalue())["results"]
+    assert [r["capacity_bytes"] for r in results] == [parse_size(c) for c in DEFAULT_TRACE_CAPACITIES]
+    tiered = run_trace(str(trace), model=str(model), capacities=["1G"], policies=["kvstride"], disk_bytes="4GiB",
+                       disk_policies=["spill"])
+    assert [r["disk_bytes"] for r in tiered] == [0, 4 << 30]

@@ -30,6 +30,7 @@ from kvstride import _core, faults
 from kvstride.engine import LoadRequest, OffloadEngine, SaveRequest
 from kvstride.layout import KVLayout
 from kvstride.mixes import Mix, format_groups
+from kvstride.sizes import parse_size
 from kvstride.stores import EmbeddedStore, MooncakeStore, start_master
 from kvstride.transfer import StagingPool, Transfer
 
@@ -565,8 +566,8 @@ def run_trace(path: str, *, model: Optional[str] = None, capacities=DEFAULT_TRAC
 
     requests = tr.read_trace(path, limit=limit)
     geometry = tr.load_model(model or tr.DEFAULT_MODEL)
-    caps = [c if isinstance(c, int) else tr.parse_size(c) for c in capacities]
-    disk = disk_bytes if isinstance(disk_bytes, int) else tr.parse_size(disk_bytes)
+    caps = [c if isinstance(c, int) else parse_size(c) for c in capacities]
+    disk = disk_bytes if isinstance(disk_bytes, int) else parse_size(disk_bytes)
     return tr.replay(requests, geometry, caps, list(policies or tr.POLICIES), progress=progress, disk_bytes=disk,
                      **kwargs)
 
