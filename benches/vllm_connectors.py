@@ -13,6 +13,10 @@ Configurations:
 
 - ``none``              no connector (the floor: what vLLM costs by itself);
 - ``kvstride-embedded`` ``{"store": "embedded"}`` (host arena in the worker);
+- ``kvstride-disk``     the same with a disk tier below it (``--disk-path``, ``--disk-bytes``): with a
+  small ``store_bytes`` in ``--kvstride-extra`` the memory is full and every value is written
+  through to disk; ``benches/slow_disk.sh`` runs it on a throttled disk ("generate s vs
+  kvstride-embedded": what serving costs with the tier);
 - ``kvstride-mooncake`` ``{"store": "mooncake"}`` on the Mooncake store started here;
 - ``mooncake-store``    vLLM's MooncakeStoreConnector on the same store (the peer as a pure client,
   Mooncake's "standalone-store" mode);
@@ -109,8 +113,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))  # vllm_harness
 
-CONFIGS = ("none", "kvstride-embedded", "kvstride-mooncake", "mooncake-store", "mooncake-store-own-segment",
-           "offloading", "simple-cpu", "example")
+CONFIGS = ("none", "kvstride-embedded", "kvstride-disk", "kvstride-mooncake", "mooncake-store",
+           "mooncake-store-own-segment", "offloading", "simple-cpu", "example")
 PEER = "mooncake-store"  # the peer as a pure client of store serve's store ("vs peer")
 PEER_OWN_SEGMENT = "mooncake-store-own-segment"  # the peer in its default mode
 #: The peers whose added cost each configuration's is divided by, and their labels in the table.
@@ -122,9 +126,10 @@ OFFLOAD_BYTES = 256 << 20  # CPU capacity given to vLLM's CPU offloading connect
 # ---- the child: one engine, one configuration ------------------------------------------------
 
 
-def transfer_config(name: str, scratch: str, kvstride_extra: dict):
+def transfer_config(name: str, scratch: str, kvstride_extra: dict, disk: dict):
     """The ``KVTransferConfig`` of configuration ``name`` (None: no connector); ``kvstride_extra``
-    goes into both kvstride configurations' extra config."""
+    goes into every kvstride configuration's extra config, ``disk`` (``disk_path``,
+    ``disk_bytes``) into kvstride-disk's."""
     import vllm_harness as harness
     from vllm.config import KVTransferConfig
 
@@ -137,6 +142,8 @@ def transfer_config(name: str, scratch: str, kvstride_extra: dict):
         return None
     if name == "kvstride-embedded":
         return harness.connector_config({"store": "embedded", **kvstride_extra})
+    if name == "kvstride-disk":  # a disk tier below the memory (``--disk-path``, ``--disk-bytes``)
+        return harness.connector_config({"store": "embedded", **disk, **kvstride_extra})
     if name == "kvstride-mooncake":
         return harness.connector_config({"store": "mooncake", **kvstride_extra})  # MOONCAKE_CONFIG_PATH
     if name in (PEER, PEER_OWN_SEGMENT):  # the mode and the segment: from MOONCAKE_CONFIG_PATH
@@ -318,7 +325,7 @@ class ChildEngine:
         self.harness, self.spec = harness, spec
         model = harness.MODELS[spec["model"]]
         kwargs = harness.engine_kwargs(model, spec["path"], prefix_cache_retention_interval=spec["retention"])
-        ktc = transfer_config(spec["config"], spec["scratch"], spec["kvstride_extra"])
+        ktc = transfer_config(spec["config"], spec["scratch"], spec["kvstride_extra"], spec["disk"])
         if ktc is not None:
             kwargs["kv_transfer_config"] = ktc
         start = time.perf_counter()
@@ -572,7 +579,7 @@ class Child:
         rpc_dir = tempfile.mkdtemp(prefix="rpc-", dir=scratch)
         spec = dict(model=model, path=path, config=config, prompts=args.prompts, retention=args.retention,
                     max_tokens=args.max_tokens, scratch=child_scratch,
-                    kvstride_extra=args.kvstride_extra)
+                    kvstride_extra=args.kvstride_extra, disk=disk_settings(args, child_scratch))
         env = dict(os.environ)
         env.update(
             VLLM_ENABLE_V1_MULTIPROCESSING="0", PYTHONHASHSEED="0",
@@ -764,13 +771,14 @@ def print_table(model: str, rows: dict, args) -> None:
           f"median of {args.reps} reps; TTFT median of {args.trials} (hit shares {SHARED_TOKENS} tokens); "
           f"prefix_cache_retention_interval={args.retention}\n")
     peers = [name for name in PEERS if name in rows]
-    print("| configuration | write-through s | vs peer (pure client) | added s | "
+    embedded = rows.get("kvstride-embedded", {}).get("generate_s")
+    print("| configuration | generate s | vs kvstride-embedded | write-through s | vs peer (pure client) | added s | "
           + "".join(f"added vs peer: {PEERS[name]} (per round) | " for name in peers)
           + "sched us/step | sched ms/rep | TTFT on hit ms | hit tokens | bytes stored / rep | bytes loaded / hit |")
-    print("|---|---:|---:|---:|" + "---:|" * len(peers) + "---:|---:|---:|---:|---:|---:|")
+    print("|---|---:|---:|---:|---:|---:|" + "---:|" * len(peers) + "---:|---:|---:|---:|---:|---:|")
     for name, s in rows.items():
         if "error" in s:
-            print(f"| {name} | did not run: {s['error'][:300]} |" + " |" * (9 + len(peers)))
+            print(f"| {name} | did not run: {s['error'][:300]} |" + " |" * (11 + len(peers)))
             continue
         ratio = f"{s['write_through_s'] / peer:.2f}x" if peer else "n/a"
         added = f"{s['added_s']:.3f}" if "added_s" in s else "-"
@@ -782,7 +790,9 @@ def print_table(model: str, rows: dict, args) -> None:
                 text += f" ({vs['per_round']:.2f}x)"
             added_ratios += f" {text} |"
         sched = fmt_or_dash(s["sched_us_per_step"], 0)
-        print(f"| {name} | {s['write_through_s']:.3f} | {ratio} | {added} |{added_ratios} {sched} | {s['sched_ms_per_rep']:.1f} | "
+        serving = f"{s['generate_s'] / embedded:.2f}x" if embedded else "n/a"
+        print(f"| {name} | {s['generate_s']:.3f} | {serving} | {s['write_through_s']:.3f} | {ratio} | {added} |"
+              f"{added_ratios} {sched} | {s['sched_ms_per_rep']:.1f} | "
               f"{s['ttft_hit_ms']:.1f} | "
               f"{s['hit_tokens']:.0f} | {fmt_bytes(s['bytes_stored_per_rep'])} | {fmt_bytes(s['bytes_loaded_per_hit'])} |")
     print("\nCPU a write-through rep (medians) beside vLLM's compute threads, of the store's processes "
@@ -798,6 +808,13 @@ def print_table(model: str, rows: dict, args) -> None:
 
 def fmt_or_dash(value, digits: int) -> str:
     return "-" if value is None else f"{value:.{digits}f}"
+
+
+def disk_settings(args, child_scratch: str) -> dict:
+    """kvstride-disk's folder: ``--disk-path`` (a slow disk, say) or one in the engine's scratch."""
+    folder = os.path.join(args.disk_path or child_scratch, "kvstride-disk-" + os.path.basename(child_scratch))
+    os.makedirs(folder, mode=0o700, exist_ok=True)
+    return {"disk_path": folder, "disk_bytes": args.disk_bytes}
 
 
 def retention_interval(text: str):
@@ -819,6 +836,8 @@ def main() -> int:
     ap.add_argument("--timeout", type=float, default=900, help="seconds an engine may take to boot, or to run one rep or trial")
     ap.add_argument("--kvstride-extra", type=json.loads, default={}, metavar="JSON",
                     help="more kv_connector_extra_config for both kvstride configurations, e.g. '{\"put_linger_s\": 0.1}'")
+    ap.add_argument("--disk-path", help="kvstride-disk's folder is made here (default: in the scratch folder)")
+    ap.add_argument("--disk-bytes", default="256MiB", help="kvstride-disk's disk_bytes")
     ap.add_argument("--json", metavar="PATH", help="also write every raw and summarized figure here")
     ap.add_argument("--keep", action="store_true", help="keep the scratch folder (models, logs)")
     ap.add_argument("--child", help=argparse.SUPPRESS)
