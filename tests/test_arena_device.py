@@ -400,7 +400,7 @@ class Streams:
         for module in (device, kvstride.transfer):
             monkeypatch.setattr(module, "used_on", lambda tensor, stream: None)
         for attribute, name in streams.items():
-            setattr(owner, attribute, Streams.Stream(self, name))
+            setattr(owner.pipeline, attribute, Streams.Stream(self, name))
         return launches
 
 
@@ -434,13 +434,13 @@ def _ordered_copier(monkeypatch):
     copier = DeviceCopier(layout, arena.buffer, arena.slot_bytes, arena._pieces, chunk_bytes=3 * arena.slot_bytes,
                           kernels=True, dma_runs=0, digests_on_device=True)
     streams = Streams()
-    return copier, streams, streams.install(monkeypatch, copier, COPIER_STREAMS)
+    return copier, streams, streams.install(monkeypatch, copier, PIPELINE_STREAMS)
 
 
-#: A DeviceCopier's streams, by attribute: the name a modelled stream takes.
-COPIER_STREAMS = {"_save_stream": "save", "_urgent_stream": "save urgent", "_drain_stream": "save drain",
-                  "_load_stream": "load", "_hash_stream": "hash", "_urgent_hash_stream": "hash urgent",
-                  "_check_stream": "check"}
+#: A device pipeline's streams (``DevicePipeline``, the arena's and the staging pool's alike), by
+#: attribute: the name a modelled stream takes.
+PIPELINE_STREAMS = {"gather": "save", "urgent": "save urgent", "drain": "save drain", "scatter": "load",
+                    "hash": "hash", "urgent_hash": "hash urgent", "check": "check"}
 
 
 def test_a_device_save_is_ordered_against_the_callers_stream_and_its_staging(monkeypatch):
@@ -545,8 +545,7 @@ def test_a_staged_gather_is_ordered_against_the_callers_stream_and_its_staging(m
     transfer = Transfer(layout, StagingPool(8 << 20), kernels=True, chunk_bytes=3 * layout.groups[0].block_bytes)
     transfer.digests_on_device = True
     streams = Streams()
-    launches = streams.install(monkeypatch, transfer, {"stream": "save", "_drain_stream": "save drain", "_hash_stream": "hash",
-                                                       "_scatter_stream": "load"})
+    launches = streams.install(monkeypatch, transfer, PIPELINE_STREAMS)
     rows = _ring_rows(monkeypatch)
     fence = transfer.gather(transfer.stage([(0, b) for b in range(1, 13)]), digests=True)
     beside = streams.launch("the caller's next kernel")
@@ -588,9 +587,7 @@ def _fenced_engine(monkeypatch, path: str):
     blocks = [(0, b) for b in range(1, 10)] + [(1, b) for b in (20, 21, 22)]
     if path == "staged":
         transfer = Transfer(layout, StagingPool(8 << 20), kernels=True, chunk_bytes=chunk)
-        launches = streams.install(monkeypatch, transfer, {"stream": "save", "_urgent_stream": "save urgent",
-                                                           "_hash_stream": "hash", "_urgent_hash_stream": "hash urgent",
-                                                           "_drain_stream": "save drain", "_scatter_stream": "load"})
+        launches = streams.install(monkeypatch, transfer, PIPELINE_STREAMS)
         engine = OffloadEngine(planner, transfer, BytesStore())
         engine._batch_bytes["save"] = transfer.staged_bytes(blocks[-3:])  # batches of three: group 1's alone
         return engine, streams, launches, [(f"{g}-{b}", g, b) for g, b in blocks]
@@ -598,7 +595,7 @@ def _fenced_engine(monkeypatch, path: str):
     engine = OffloadEngine(planner, layout, store)
     arena = store.arena
     arena._device = DeviceCopier(layout, arena.buffer, arena.slot_bytes, arena._pieces, chunk_bytes=chunk, kernels=True)
-    launches = streams.install(monkeypatch, arena._device, COPIER_STREAMS)
+    launches = streams.install(monkeypatch, arena._device, PIPELINE_STREAMS)
     return engine, streams, launches, [(slot, g, b) for slot, (g, b) in enumerate(blocks)]
 
 

@@ -472,7 +472,7 @@ def test_cuda_planned_saves_into_the_slots_are_read_before_a_fenced_block_is_rew
     engine = OffloadEngine(planner, layout, store)
     want = kv[1:33].clone()
     caller = torch.cuda.Stream()
-    with torch.cuda.stream(store.arena._device._save_stream):
+    with torch.cuda.stream(store.arena._device.pipeline.gather):
         torch.cuda._sleep(200_000_000)  # the save stream is busy: the copies run late
     with torch.cuda.stream(caller):
         engine.submit_planned(puts={1: [(i, 0, 1 + i) for i in range(32)]}, fenced_groups=[0])

@@ -20,9 +20,9 @@ return). On CUDA they are the copy kernels of :mod:`kvstride.arena.device`, on s
 staging laid out as the pool is (every core helping, in a ring of rows the gathers share:
 ``StagingRing``), then a kernel drains it into the pinned pool; a scatter copies the pool's
 range into device staging (the copy engine), then a kernel scatters it into the blocks. The
-returned :class:`Fence` holds CUDA events: the caller's stream must wait for a gather's reads
-before it overwrites the blocks (``Fence.wait_stream``, or per block ``KVLayout.fence``; no
-host sync), and the host for all of it before the store reads the pool (``Fence.wait``).
+returned :class:`CopyEvents` holds CUDA events: the caller's stream must wait for a gather's reads
+before it overwrites the blocks (``CopyEvents.wait_stream``, or per block ``KVLayout.fence``; no
+host sync), and the host for all of it before the store reads the pool (``CopyEvents.wait``).
 
 With ``Transfer.header_room`` set (the engine sets it for a store that takes it,
 ``KVStore.takes_header_room``), each entry is staged after that many free bytes, room for the
@@ -48,7 +48,7 @@ from .arena.device import (
     CHUNK_BYTES,
     SAVE_STAGING_CHUNKS,
     BlockKernels,
-    StagingRing,
+    DevicePipeline,
     chunk_sizes,
     digests_to_host,
     drain_chunk,
@@ -62,7 +62,7 @@ from .host_memory import host_buffer
 from .layout import KVLayout
 from .stores.base import HEADER_BYTES, _with_header_room
 
-__all__ = ["StagingPool", "StagedBatch", "Transfer", "Fence", "staging_bytes_for", "LOAD_SHARE", "ALIGNMENT"]
+__all__ = ["StagingPool", "StagedBatch", "Transfer", "CopyEvents", "staging_bytes_for", "LOAD_SHARE", "ALIGNMENT"]
 
 #: Every staged piece array starts at a multiple of this many bytes.
 ALIGNMENT = 64
@@ -223,9 +223,10 @@ def staging_bytes_for(layout: KVLayout, tokens_per_step: int, planner, header_ro
     return capacity
 
 
-class Fence:
-    """Completion of a gather or scatter.  CPU: complete on return.  CUDA: recorded events, of
-    the whole copy and (a gather) of its reads of the KV blocks."""
+class CopyEvents:
+    """When a gather or a scatter is done: CPU, on return; CUDA, recorded events of the whole
+    copy (``wait``) and, for a gather, of its reads of the KV blocks (``wait_stream``: what a
+    fence waits for)."""
 
     def __init__(self, event=None, read=None) -> None:
         self._event = event
@@ -308,12 +309,8 @@ class Transfer:
         self.device = layout.device or torch.device("cpu")
         self.cuda = layout.on_cuda
         self.header_room = 0  # free bytes staged before each entry (make_header_room_for)
-        # Gathers run on ``stream``, scatters on a stream of their own: a load never waits behind a save.
-        self.stream = (stream or torch.cuda.Stream(device=self.device)) if self.cuda else None
-        self._scatter_stream = torch.cuda.Stream(device=self.device) if self.cuda else None
-        # Urgent gathers (the caller's stream waits for their reads at once) never queue behind
-        # other gathers' copies, and go first where the two compete for the GPU.
-        self._urgent_stream = torch.cuda.Stream(device=self.device, priority=-1) if self.cuda else None
+        # Gathers run on ``stream`` (the pipeline's gather stream), scatters on a stream of their own.
+        self.pipeline = DevicePipeline(self.device, gather=stream)
         self._pieces = PieceTable(layout)
         self._payload_bytes = np.array([g.block_bytes for g in layout.groups], dtype=np.int64)
         self.chunk_bytes = int(chunk_bytes)
@@ -326,12 +323,11 @@ class Transfer:
         # values the kernel takes; payloads start 16-byte aligned in the pool).
         self.digests_on_device = False
         self._hashable = all(device_xxh3.eligible(g.block_bytes) for g in layout.groups)
-        self._hash_stream = torch.cuda.Stream(device=self.device) if self.cuda else None
-        self._urgent_hash_stream = torch.cuda.Stream(device=self.device) if self.cuda else None
-        # Gathers' drains to the pool, apart from the gathers (which never queue behind them).
-        self._drain_stream = torch.cuda.Stream(device=self.device) if self.cuda else None
-        self._staging: Optional[StagingRing] = None
-        self._gather_lock = threading.Lock()
+
+    @property
+    def stream(self):
+        """(CUDA) The stream the gathers run on."""
+        return self.pipeline.gather
 
     def digests_ride_copies(self, mac_secret=None) -> bool:
         """Whether ``gather(digests=True)`` and ``scatter(expected=...)`` take and check each value's
@@ -399,7 +395,7 @@ class Transfer:
         payloads = np.array([batch._parts[i][0][0] for i in order], dtype=np.uint64)
         return order, blocks[:, 0], blocks[:, 1], payloads
 
-    def _cpu_copy(self, batch: StagedBatch, to_pool: bool, ok=None, digests: bool = False, expected=None) -> Fence:
+    def _cpu_copy(self, batch: StagedBatch, to_pool: bool, ok=None, digests: bool = False, expected=None) -> CopyEvents:
         """Both directions on CPU: raw region copies in the Rust core, GIL released. Not
         torch's ops: called from the engine's lanes, a torch op opens an OpenMP team that
         fights vLLM's bound OpenMP threads (a 144 KiB scatter took 60-80 ms).
@@ -416,7 +412,7 @@ class Transfer:
         if expected is not None:
             batch.verified = np.zeros(len(batch.blocks), dtype=bool)
         if entries is None:
-            return Fence()
+            return CopyEvents()
         order, groups, block_ids, payloads = entries
         kv, pool, length, row_start = self._pieces.rows(groups, block_ids, payloads)
         if digests:
@@ -426,7 +422,7 @@ class Transfer:
             batch.verified[order] = _core._load_rows(pool, kv, length, row_start, want, self.mac_secret)
         else:
             _core._copy_regions(*((kv, pool) if to_pool else (pool, kv)), length)
-        return Fence()
+        return CopyEvents()
 
     def _chunks(self, batch: StagedBatch, payloads: np.ndarray, growing: bool) -> List[Tuple[int, int, int, int]]:
         """The batch cut into chunks of whole entries of at most ``chunk_bytes`` each (an entry
@@ -439,21 +435,22 @@ class Transfer:
         bounds = np.cumsum([0, *counts])
         return [(int(a), int(b), int(starts[a]), int(ends[b - 1] - starts[a])) for a, b in zip(bounds[:-1], bounds[1:])]
 
-    def _kernel_gather(self, batch: StagedBatch, digests: bool, urgent: bool) -> Fence:
+    def _kernel_gather(self, batch: StagedBatch, digests: bool, urgent: bool) -> CopyEvents:
         """KV blocks -> device staging laid out as the pool (every core helping) -> the pool, chunk
         by chunk: the gathers on the gather stream, each waiting only for the drain of the last
         chunk that used its rows of the staging ring (``StagingRing``), the drains on a stream
-        of their own; the fence's read event follows the last chunk's gather, never a drain,
+        of their own; the read event it returns follows the last chunk's gather, never a drain,
         and each chunk's gather joins the layout's ``pending_reads``.
         ``digests``: each value's XXH3 from the staging, beside the drain, into ``batch.digests``
-        (filled once the fence completed). ``urgent``: on the urgent streams."""
+        (filled once the copy is done). ``urgent``: on the urgent streams."""
         _, groups, block_ids, payloads = self._entries(batch)
         kernels, read = self.kernels, None
-        gathers, hashes = (self._urgent_stream, self._urgent_hash_stream) if urgent else (self.stream, self._hash_stream)
-        drains = self._drain_stream
-        with self._gather_lock, on_side_stream(gathers):
+        pipeline = self.pipeline
+        (gathers, hashes), drains = pipeline.save_streams(urgent), pipeline.drain
+        with pipeline.save_lock, on_side_stream(gathers):
             chunks = self._chunks(batch, payloads, growing=False)
-            ring = self._ring(max(nbytes for *_, nbytes in chunks))
+            largest = max(nbytes for *_, nbytes in chunks)  # an entry larger than a chunk: two of it
+            ring = pipeline.ring(-(-max(self.chunk_bytes, largest) // STAGING_ROW) * SAVE_STAGING_CHUNKS, STAGING_ROW)
             taken = [ring.take(-(-nbytes // STAGING_ROW)) for *_, nbytes in chunks]
             staged = np.zeros(len(payloads), dtype=np.uint64)
             for (first, end, offset, _), chunk in zip(chunks, taken):
@@ -481,33 +478,22 @@ class Transfer:
                 batch.digests = digests_to_host(found, drains, hashes).numpy().view(np.uint64)
             for tensor, stream in ((table, drains), (table, hashes), (found, hashes)):
                 used_on(tensor, stream)
-            return Fence(recorded(drains), read)
+            return CopyEvents(recorded(drains), read)
 
-    def _ring(self, largest: int) -> StagingRing:
-        """The gathers' staging ring, of ``SAVE_STAGING_CHUNKS`` chunks (and of two chunks of
-        ``largest`` bytes, an entry larger than a chunk): allocated on the first gather, and
-        again larger, once the chunks in flight ended, for a larger entry."""
-        rows = -(-max(self.chunk_bytes, largest) // STAGING_ROW) * SAVE_STAGING_CHUNKS
-        if self._staging is None or self._staging.rows < rows:
-            if self._staging is not None:
-                self._staging.synchronize()
-            self._staging = StagingRing(self.device, rows, STAGING_ROW)
-        return self._staging
-
-    def _kernel_scatter(self, batch: StagedBatch, ok, after, expected) -> Fence:
+    def _kernel_scatter(self, batch: StagedBatch, ok, after, expected) -> CopyEvents:
         """The pool -> device staging (the copy engine, one copy a chunk) -> the blocks of the
         entries with ``ok``, chunk by chunk on the scatter stream; with ``expected``, only those
         whose staged bytes have that XXH3 (checked on the device; ``batch.verified`` says which,
-        filled once the fence completed)."""
+        filled once the copy is done)."""
         _, all_groups, all_block_ids, payloads = self._entries(batch)
         kept = np.arange(len(batch.blocks)) if ok is None else np.flatnonzero(np.asarray(ok, dtype=bool))
         if expected is not None:
             batch.verified = np.zeros(len(batch.blocks), dtype=bool)
         if not len(kept):
-            return Fence()
+            return CopyEvents()
         groups, block_ids = all_groups[kept], all_block_ids[kept]
         kernels = self.kernels
-        with on_side_stream(self._scatter_stream, after):
+        with on_side_stream(self.pipeline.scatter, after):
             chunks = self._chunks(batch, payloads, growing=True)
             staging = torch.empty(max(nbytes for *_, nbytes in chunks), dtype=torch.uint8, device=self.device)
             chunk_of = np.repeat(np.arange(len(chunks)), [end - first for first, end, _, _ in chunks])[kept]
@@ -529,14 +515,14 @@ class Transfer:
                 verified = torch.zeros(len(batch.blocks), dtype=torch.bool, device=self.device)
                 verified[torch.from_numpy(kept).to(self.device, non_blocking=True)] = flags != 0
                 batch.verified = to_host(verified).numpy()
-            return Fence(recorded(self._scatter_stream))
+            return CopyEvents(recorded(self.pipeline.scatter))
 
-    def gather(self, batch: StagedBatch, *, digests: bool = False, urgent: bool = False) -> Fence:
+    def gather(self, batch: StagedBatch, *, digests: bool = False, urgent: bool = False) -> CopyEvents:
         """KV blocks -> staging. ``digests`` (where ``digests_ride_copies``): also set
         ``batch.digests``, each entry's XXH3-64 (the store's payload hash), computed while the
-        bytes are in cache or in device staging (then filled once the fence completed).
-        CUDA: the blocks are read on the side stream; the caller's stream must wait for the
-        fence (``Fence.wait_stream``), or fence the blocks (``KVLayout.fence``), before it
+        bytes are in cache or in device staging (then filled once the copy is done).
+        CUDA: the blocks are read on the side stream; the caller's stream must wait for those
+        reads (``CopyEvents.wait_stream``), or fence the blocks (``KVLayout.fence``), before it
         writes them again. ``urgent``: on streams of its own, never behind other gathers'
         copies (for blocks the caller's stream waits for at once)."""
         if self.kernels is None:
@@ -545,14 +531,14 @@ class Transfer:
             raise ValueError("digests during a device gather need digests_on_device and values the XXH3 kernel takes")
         if not batch.blocks:
             batch.digests = np.zeros(0, dtype=np.uint64) if digests else None
-            return Fence()
+            return CopyEvents()
         return self._kernel_gather(batch, digests, urgent)
 
-    def scatter(self, batch: StagedBatch, ok: Optional[Sequence[bool]] = None, *, expected=None, after=None) -> Fence:
+    def scatter(self, batch: StagedBatch, ok: Optional[Sequence[bool]] = None, *, expected=None, after=None) -> CopyEvents:
         """Staging -> KV blocks, only for entries with ``ok[i]`` true (default: all).
         ``expected`` (where ``digests_ride_copies``): the XXH3-64 each entry's staged bytes must
         have; an entry whose bytes differ is not written, and ``batch.verified`` tells which were
-        (once the fence completed).
+        (once the copy is done).
         ``after`` (CUDA): an event from :meth:`current_stream_event` on the stream whose pending
         work the writes must follow (default: the calling thread's current stream)."""
         if self.kernels is None:
@@ -561,5 +547,5 @@ class Transfer:
             raise ValueError("digest-checked device scatters need digests_on_device and values the XXH3 kernel takes")
         if not batch.blocks:
             batch.verified = np.zeros(0, dtype=bool) if expected is not None else None
-            return Fence()
+            return CopyEvents()
         return self._kernel_scatter(batch, ok, after, expected)

@@ -56,7 +56,7 @@ from kvstride import _core
 from kvstride.arena import device_xxh3
 from kvstride.copies import PieceTable
 
-__all__ = ["BlockKernels", "DeviceCopier", "StagingRing", "SAVE_STAGING_CHUNKS", "CHUNK_BYTES", "COPY_PROGRAMS",
+__all__ = ["BlockKernels", "DeviceCopier", "DevicePipeline", "StagingRing", "SAVE_STAGING_CHUNKS", "CHUNK_BYTES", "COPY_PROGRAMS",
            "DMA_RUNS", "access_width", "chunk_sizes", "copy_rows", "digests_to_host", "drain_chunk", "launch_copy_rows",
            "on_side_stream", "recorded", "slot_runs", "to_host", "used_on"]
 
@@ -228,6 +228,52 @@ class _Chunk:
         held = kept != self.spans
         self.spans = kept
         return held
+
+
+class DevicePipeline:
+    """The streams of one device data path and the staging ring its saves share, the same for
+    the arena (:class:`DeviceCopier`) and the staging pool (:class:`kvstride.transfer.Transfer`).
+    One stream per kind of copy:
+
+    - ``gather``: a save's reads of KV blocks into device staging, the reads a fence waits for;
+    - ``urgent``: the gathers of an urgent copy, one whose reads the caller's stream waits for at
+      once (a block vLLM rewrites in place): never behind other gathers, first where they compete;
+    - ``drain``: device staging to host memory (the slots, the pool), apart from the gathers;
+    - ``hash``, ``urgent_hash``: a save's digests of its device staging, beside its drains;
+    - ``scatter``: a load's copies into KV blocks, never behind a save;
+    - ``check``: a load's digest checks on the device, beside its copies.
+
+    On CPU every stream is None: a copy is done when it returns."""
+
+    def __init__(self, device: torch.device, gather=None) -> None:
+        cuda = device.type == "cuda"
+
+        def stream(priority: int = 0):
+            return torch.cuda.Stream(device, priority=priority) if cuda else None
+
+        self.device = device
+        self.gather = (gather or stream()) if cuda else None
+        self.urgent = stream(priority=-1)
+        self.drain, self.hash, self.urgent_hash = stream(), stream(), stream()
+        self.scatter, self.check = stream(), stream()
+        # One save's launches at a time (the caller's thread and the launch lane both save): the
+        # ring's next chunk must see its rows' last reader.
+        self.save_lock = threading.Lock()
+        self._ring: Optional[StagingRing] = None
+
+    def save_streams(self, urgent: bool) -> Tuple[object, object]:
+        """A save's (gather, hash) streams."""
+        return (self.urgent, self.urgent_hash) if urgent else (self.gather, self.hash)
+
+    def ring(self, rows: int, row_bytes: int) -> StagingRing:
+        """The saves' staging ring of at least ``rows`` rows of ``row_bytes``: made on the first
+        save, and again larger once the chunks in flight ended."""
+        ring = self._ring
+        if ring is None or ring.rows < rows or ring.row_bytes != row_bytes:
+            if ring is not None:
+                ring.synchronize()
+            self._ring = ring = StagingRing(self.device, rows, row_bytes)
+        return ring
 
 
 def drain_chunk(chunk: _Chunk, gathered, drains, hashes, drain: Callable[[], None],
@@ -408,16 +454,7 @@ class DeviceCopier:
         self.chunk_slots = max(1, int(chunk_bytes) // self.slot_bytes)
         self.dma_runs = int(dma_runs)
         cuda = self.device.type == "cuda"
-        self._save_stream = torch.cuda.Stream(self.device) if cuda else None
-        # Urgent saves (the caller's stream waits for their reads at once) never queue behind
-        # other saves' copies, and go first where the two compete for the GPU.
-        self._urgent_stream = torch.cuda.Stream(self.device, priority=-1) if cuda else None
-        self._load_stream = torch.cuda.Stream(self.device) if cuda else None
-        # Saves' drains to the host slots, apart from their gathers (which never queue behind
-        # them), out of the rows of a staging ring (``StagingRing``).
-        self._drain_stream = torch.cuda.Stream(self.device) if cuda else None
-        self._save_staging: Optional[StagingRing] = None
-        self._save_lock = threading.Lock()
+        self.pipeline = DevicePipeline(self.device)
         # The copy kernels (default on CUDA; on CPU under Triton's interpreter, for tests), else
         # the Rust region copier.
         self.kernels = None
@@ -432,9 +469,6 @@ class DeviceCopier:
         self.digests_on_device = bool(digests_on_device)
         self._hashable = np.array([device_xxh3.eligible(int(n)) and self.slot_bytes % 16 == 0 for n in self.block_bytes],
                                   dtype=bool)
-        self._hash_stream = torch.cuda.Stream(self.device) if cuda else None  # a save's, beside its drains
-        self._urgent_hash_stream = torch.cuda.Stream(self.device) if cuda else None
-        self._check_stream = torch.cuda.Stream(self.device) if cuda else None  # a load's, beside its copies
         if cuda and self.digests_on_device and self.kernels is not None:
             device_xxh3.warm_up(self.device)  # compiled now, not under a step's first save
 
@@ -508,13 +542,12 @@ class DeviceCopier:
         streams of its own, so that a fence waits for this save alone, not for the copies of
         the saves queued before it."""
         hashed = digests and self.hashes_on_device(groups)
-        gathers, hashes = (self._urgent_stream, self._urgent_hash_stream) if urgent else (self._save_stream, self._hash_stream)
-        drains = self._drain_stream
-        # One save's launches at a time (the caller's thread and the launch lane both save): the
-        # ring's next chunk must see its rows' last reader.
-        with self._save_lock, on_side_stream(gathers, after):
+        pipeline = self.pipeline
+        (gathers, hashes), drains = pipeline.save_streams(urgent), pipeline.drain
+        with pipeline.save_lock, on_side_stream(gathers, after):
             parts = self._chunks(len(slots), growing=False)
-            chunks = [self._ring().take(len(part)) for part in parts]
+            ring = pipeline.ring(SAVE_STAGING_CHUNKS * self.chunk_slots, self.slot_bytes)
+            chunks = [ring.take(len(part)) for part in parts]
             staged = np.concatenate([np.uint64(chunk.address) + np.arange(len(part), dtype=np.uint64)
                                      * np.uint64(self.slot_bytes) for chunk, part in zip(chunks, parts)])
             into, lengths = self._slot_addresses(slots), self.block_bytes[groups]
@@ -553,12 +586,6 @@ class DeviceCopier:
                 used_on(tensor, stream)
         return [(part, chunk.done) for part, chunk in zip(parts, chunks)], found_on_host
 
-    def _ring(self) -> StagingRing:
-        """The saves' staging ring (allocated on the first save)."""
-        if self._save_staging is None:
-            self._save_staging = StagingRing(self.device, SAVE_STAGING_CHUNKS * self.chunk_slots, self.slot_bytes)
-        return self._save_staging
-
     # ---- loads -------------------------------------------------------------------------
 
     def load(self, slots: np.ndarray, groups: np.ndarray, block_ids: np.ndarray,
@@ -578,7 +605,7 @@ class DeviceCopier:
         slots, groups, block_ids = slots[order], groups[order], block_ids[order]
         copied = np.zeros(len(slots), dtype=bool)
         at = self._slot_addresses(slots)
-        with on_side_stream(self._load_stream, after):
+        with on_side_stream(self.pipeline.scatter, after):
             parts = self._chunks(len(slots), growing=True)
             staging, staged = self._staging(parts) if self.kernels is not None else (None, None)
             table = self._table(groups, block_ids, at) if staging is None else self._table(groups, block_ids, at, groups, block_ids, staged)
@@ -595,7 +622,7 @@ class DeviceCopier:
                     kept = part[good]
                     self._copy_blocks(groups[kept], block_ids[kept], at[kept], np.arange(len(kept)),
                                       self._table(groups[kept], block_ids[kept], at[kept]), False, False)
-            return copied, recorded(self._load_stream)
+            return copied, recorded(self.pipeline.scatter)
 
     def _load_checked_on_device(self, slots, groups, block_ids, expected, after):
         """``load`` with the digests checked on the device: per chunk, the slots into one of two
@@ -606,7 +633,7 @@ class DeviceCopier:
         slots, groups, block_ids = slots[order], groups[order], block_ids[order]
         at, lengths = self._slot_addresses(slots), self.block_bytes[groups]
         kernels = self.kernels
-        with on_side_stream(self._load_stream, after):
+        with on_side_stream(self.pipeline.scatter, after):
             parts = self._chunks(len(slots), growing=True)
             staging, staged = self._staging(parts, buffers=min(2, len(parts)))
             largest = max(map(len, parts))
@@ -616,23 +643,23 @@ class DeviceCopier:
             scattered = []
             for k, part in enumerate(parts):
                 if k >= 2 and scattered[k - 2] is not None:  # this buffer's previous chunk is done with it
-                    self._load_stream.wait_event(scattered[k - 2])
+                    self.pipeline.scatter.wait_event(scattered[k - 2])
                 runs = self._link_runs(slots[part])
                 if runs is not None:
                     self._copy_runs_in(staging, runs, k % 2 * largest)
                 else:
                     kernels.rows(table[3:], int(part[0]), len(part), int(lengths[part].max()), kernels.programs)
-                with on_side_stream(self._check_stream, recorded(self._load_stream)):
+                with on_side_stream(self.pipeline.check, recorded(self.pipeline.scatter)):
                     device_xxh3.launch_xxh3_rows(kernels.origin, table, int(part[0]), len(part), 2, 6, flags,
                                                  expected=table[7])
                     kernels.blocks(table, groups, int(part[0]), len(part), False, kernels.device_programs, flags=flags)
-                    scattered.append(recorded(self._check_stream))
-            if self._check_stream is not None:
-                self._load_stream.wait_stream(self._check_stream)
+                    scattered.append(recorded(self.pipeline.check))
+            if self.pipeline.check is not None:
+                self.pipeline.scatter.wait_stream(self.pipeline.check)
             checked = to_host(flags)
-            done = recorded(self._load_stream)
+            done = recorded(self.pipeline.scatter)
             for tensor in (staging, table, flags):
-                used_on(tensor, self._check_stream)
+                used_on(tensor, self.pipeline.check)
         if done is not None:
             done.synchronize()  # the load lane's thread: the flags say which entries were written
         copied = np.zeros(len(slots), dtype=bool)

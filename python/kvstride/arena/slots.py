@@ -321,7 +321,7 @@ class ArenaSlots:
         """Whether a save's copies run on device streams, ordered after an event of the caller's
         (``save_blocks_begin(after=...)``), so that another thread may launch them."""
         device = self.arena._device if self.arena is not None else None
-        return device is not None and device._save_stream is not None
+        return device is not None and device.pipeline.gather is not None
 
     def caller_event(self):
         """(With ``copies_on_streams``) an event recorded on the calling thread's current stream,

@@ -43,7 +43,7 @@ class DirectSaves:
             else:
                 started = begin(keys, groups, block_ids, urgent=True) if on_streams else begin(keys, groups, block_ids)
             try:
-                self._fence_unfenced(job, entries)
+                self._wait_for_urgent_reads(job, entries)
             finally:  # copies under way are waited for before the job reports, whatever happens
                 self._finish_or_queue(job, entries, started, put_start)
         if apart:

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from kvstride.layout import ComingReads
-from kvstride.transfer import Fence, StagedBatch
+from kvstride.transfer import CopyEvents, StagedBatch
 
 
 @dataclass
@@ -122,7 +122,7 @@ class _PutBatch:
     job: _SaveJob
     entries: List[Tuple[str, int, int]]  # (key, group, block_id)
     batch: StagedBatch
-    fence: Fence  # of its gather
+    copied: CopyEvents  # its gather's
 
 
 @dataclass

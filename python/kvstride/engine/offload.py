@@ -316,7 +316,7 @@ class OffloadEngine(Lookups, SavePlanning, DirectSaves, StagedSaves, Loads):
             self.layout.synchronize()
             return 0
 
-    def _fence_unfenced(self, job: _SaveJob, entries: List[Tuple[str, int, int]]) -> None:
+    def _wait_for_urgent_reads(self, job: _SaveJob, entries: List[Tuple[str, int, int]]) -> None:
         """The caller's stream waits now for the reads of ``entries``' blocks that the caller
         does not fence itself (``_SaveJob.fenced_groups``); failing closed, as ``fence``."""
         now = [block for _, group, block in entries if group not in job.fenced_groups]

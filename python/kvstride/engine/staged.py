@@ -51,8 +51,8 @@ class StagedSaves:
             try:
                 staged = entries[position:end]
                 urgent = bool(job.fenced_groups) and any(group not in job.fenced_groups for _, group, _ in staged)
-                fence = self.transfer.gather(batch, digests=self._fused_digests, urgent=urgent)
-                self._fence_unfenced(job, staged)
+                copied = self.transfer.gather(batch, digests=self._fused_digests, urgent=urgent)
+                self._wait_for_urgent_reads(job, staged)
             except BaseException:
                 self._release_batch(batch)
                 raise
@@ -60,7 +60,7 @@ class StagedSaves:
                 refused = self._closed
                 if not refused:
                     job.in_flight += 1
-                    self._save_queue.put(_PutBatch(job, entries[position:end], batch, fence))
+                    self._save_queue.put(_PutBatch(job, entries[position:end], batch, copied))
             if refused:
                 self._release_batch(batch)
                 self._refuse(job, entries[position:])
@@ -211,7 +211,7 @@ class StagedSaves:
         counted for its own job."""
         values, options = [], self._value_options()
         for item in items:
-            item.fence.wait()
+            item.copied.wait()
             values += self._store_values(item.batch)
         if self._fused_digests:
             options["digests"] = np.concatenate([item.batch.digests for item in items])
