@@ -68,6 +68,14 @@ class _RequestState:
         self.confirm(0, done_to)
         self.planned = max(self.planned, done_to)
 
+    def save_ended(self, start: int, end: int, ok: bool) -> None:
+        """A save of ``[start, end)`` ended: stored (``ok``), or not all of it (failed, or left
+        to a later step), when the next plan starts again from the confirmed offset."""
+        if ok:
+            self.confirm(start, end)
+        else:
+            self.planned = self.offset
+
     def confirm(self, start: int, end: int) -> None:
         """A save of ``[start, end)`` succeeded: ``offset`` moves across contiguous successes
         only, so a deferred or failed range below a later success stays below it and is planned

@@ -504,11 +504,11 @@ class OffloadEngine(Lookups, SavePlanning, DirectSaves, StagedSaves, Loads):
                 if save.req_id in job.failed:
                     self._finished.saves_failed.add(save.req_id)
                     self.counters["saves_failed"] += 1
-                    state.planned = state.offset  # the next save retries from what is stored
+                    state.save_ended(start, end, ok=False)
                 elif save.req_id in job.deferred:  # planned already went back at deferral
                     self._finished.saves_deferred.add(save.req_id)
                 else:
-                    state.confirm(start, end)
+                    state.save_ended(start, end, ok=True)
                     self.counters["saves_ok"] += 1
             if job.job_id is not None:
                 self._finished.jobs_done[job.job_id] = "failed" if job.failed else "deferred" if job.deferred else "ok"

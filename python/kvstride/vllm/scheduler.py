@@ -464,13 +464,12 @@ class SchedulerSide(Outcomes):
 
     def _finish_job(self, job: "_SaveJob") -> None:
         for save, state, start, end in zip(job.saves, job.states, job.starts, job.ends):
-            if job.deferred and save.req_id not in job.failed:
-                state.planned = state.offset  # a rank left some to later (counted there): planned again
-            elif save.req_id in job.failed:
-                state.planned = state.offset
+            # A rank that left some to later counted it there: planned again, as a failure is.
+            ok = not job.deferred and save.req_id not in job.failed
+            state.save_ended(start, end, ok)
+            if save.req_id in job.failed:
                 self.engine.count("saves_failed")
-            else:
-                state.confirm(start, end)
+            elif ok:
                 self.engine.count("saves_ok")
 
     def _build_saves(self, so, meta: KVStrideMetadata) -> List[SaveRequest]:
