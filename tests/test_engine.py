@@ -910,6 +910,32 @@ def test_blocks_valid_only_in_their_step_are_staged_first(rig_factory, mix, firs
     assert groups == sorted(groups, key=lambda g: g != first_group)  # all of them first
 
 
+def test_a_planned_job_deferred_counts_the_tails_its_planner_named(rig_factory):
+    """The connector's path: a save job planned elsewhere (``submit_planned``, the tail keys the
+    planner named beside it) that a stalled store defers counts its tail as dropped, as
+    ``submit``'s saves do."""
+    rig, spy = spy_rig(rig_factory, "fa+mamba", pool_bytes=4096)
+    rig.engine.save_wait_s = 0.1
+
+    def slow_put(keys, buffers):
+        time.sleep(0.5)
+        return spy.inner.put(keys, buffers)
+
+    spy.put_hook = slow_put
+    _, a_hashes, a_tables, _ = rig.source_request(192)  # the whole save share, its put stalled
+    rig.engine.submit(saves=[SaveRequest("a", a_hashes, a_tables, 192)])
+    _, hashes, tables, handoffs = rig.source_request(150)
+    tails: set = set()
+    entries, _, _, _ = rig.engine.plan_saves([SaveRequest("b", hashes, tables, 150, handoffs)],
+                                             rig.engine.request_states(["b"]), lambda keys: [False] * len(keys),
+                                             tail_keys=tails)
+    assert tails and tails <= {key for key, _, _ in entries}
+    rig.engine.submit_planned(puts={7: entries}, tails={7: tails})
+    assert rig.engine.wait_idle(30)
+    assert rig.engine.get_finished().jobs_done[7] == "deferred"
+    assert rig.engine.counters["tails_dropped"] == 1
+
+
 def test_deferred_step_counts_its_dropped_tail(rig_factory):
     """A step whose staging room is held by an earlier step's put that stalled (longer than
     ``save_wait_s``) is deferred whole; its partial tail (a hand-off block, valid only in that

@@ -259,6 +259,7 @@ class OffloadEngine(Lookups, SavePlanning, DirectSaves, StagedSaves, Loads):
         gets: Optional[Dict[str, List[Tuple[str, int, int]]]] = None,
         *,
         fenced_groups: Iterable[int] = (),
+        tails: Optional[Dict[int, Iterable[str]]] = None,
     ) -> int:
         """Execute one step's work that a planner elsewhere planned (the vLLM connector's
         scheduler, which holds the requests' offsets): ``puts`` maps a save job id to its
@@ -273,8 +274,11 @@ class OffloadEngine(Lookups, SavePlanning, DirectSaves, StagedSaves, Loads):
         ``fence`` named them (vLLM: a block allocated anew). On CUDA the caller's stream then
         does not wait for their reads, which run beside its later kernels; it waits at once
         for the reads of the other groups' blocks (a hand-off state rewritten in place), which
-        are copied first."""
-        puts, gets = dict(puts or {}), dict(gets or {})
+        are copied first.
+
+        ``tails``: per save job, the keys only a partial tail names, counted in ``tails_dropped``
+        when a deferral leaves them to a later step (which cannot save them)."""
+        puts, gets, tails = dict(puts or {}), dict(gets or {}), dict(tails or {})
         fenced = frozenset(int(g) for g in fenced_groups)
         self._refuse_if_planning_only()
         with self._lock:
@@ -291,7 +295,7 @@ class OffloadEngine(Lookups, SavePlanning, DirectSaves, StagedSaves, Loads):
                 loads = [LoadRequest(req_id, (), (), 0) for req_id in gets]
                 self._queue_load(_LoadJob(step, loads, [None] * len(loads), self._caller_stream_event(), planned=gets))
         for job_id, entries in puts.items():
-            job = _SaveJob(step, [], [], [], job_id=job_id, fenced_groups=fenced)
+            job = _SaveJob(step, [], [], [], job_id=job_id, fenced_groups=fenced, tail_keys=set(tails.get(job_id, ())))
             self._run_save_job(job, functools.partial(self._execute_planned, entries=entries), [job_id])
         return step
 

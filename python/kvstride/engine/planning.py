@@ -15,7 +15,7 @@ class SavePlanning:
     """Planning a step's saves with the core."""
 
     def plan_saves(self, saves: Sequence[SaveRequest], states: Sequence["_RequestState"], known, planner=None,
-                   depths: Optional[Dict[str, int]] = None):
+                   depths: Optional[Dict[str, int]] = None, tail_keys: Optional[set] = None):
         """The core's plans for ``saves`` (normal save and partial tail) from each request's
         planned offset, minus keys ``known(keys)`` says are stored; advances the planned offsets.
         ``planner``: another rank's planner (the same groups and offsets, its own keys).
@@ -23,8 +23,11 @@ class SavePlanning:
         Entries a later step may not be able to plan again come first: keys only a partial tail
         names (its hand-off blocks are valid in this step only), then window-group blocks.
         ``depths``, if given, gets each key's depth: the tokens its block ends at (a tail's
-        boundary), for an eviction order that keeps prefixes."""
-        entries, owners, ends, failed, _ = self._plan_saves(saves, states, known, planner, depths)
+        boundary), for an eviction order that keeps prefixes. ``tail_keys``, if given, gets the
+        keys only a partial tail names (lost if their save is deferred)."""
+        entries, owners, ends, failed, tails = self._plan_saves(saves, states, known, planner, depths)
+        if tail_keys is not None:
+            tail_keys |= tails
         return entries, owners, ends, failed
 
     @staticmethod

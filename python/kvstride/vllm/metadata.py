@@ -26,6 +26,7 @@ class KVStrideMetadata(KVConnectorMetadata):
     finished_tails: List[str] = field(default_factory=list)  # finished req ids saved this step
     loads: Dict[str, Dict[int, List[Entry]]] = field(default_factory=dict)  # req id -> TP rank -> gets
     saves: Dict[int, Dict[int, List[Entry]]] = field(default_factory=dict)  # save job id -> TP rank -> puts
+    save_tails: Dict[int, List[str]] = field(default_factory=dict)  # save job id -> keys only a partial tail names
     # The embedded store's disk tier, every rank alike: write-through job id -> (slot, record,
     # key); req id -> the (record, slot, key, group) its load reads into slots first.
     disk_writes: Dict[int, List[Tuple[int, int, str]]] = field(default_factory=dict)

@@ -332,6 +332,7 @@ class SchedulerSide(Outcomes):
         per_rank = [[] for _ in self.rank_planners]
         owners: Dict[str, List[str]] = {}
         failed: set = set()
+        tails: set = set()  # keys only a partial tail names: a worker that defers them counts them lost
         ends = [0] * len(saves)
         # Each key's depth, for a placement that evicts (the arena): deepest blocks first.
         depths: Optional[Dict[str, int]] = {} if self.placement.ranks_evictions else None
@@ -346,7 +347,7 @@ class SchedulerSide(Outcomes):
                 for i in at:  # every rank plans from the same offsets
                     states[i].planned = start[i]
                 entries, rank_owners, group_ends, rank_failed = self.engine.plan_saves(
-                    group, group_states, _nothing_known, planner, depths
+                    group, group_states, _nothing_known, planner, depths, tails
                 )
                 per_rank[rank].extend(entries)
                 failed |= rank_failed
@@ -378,6 +379,8 @@ class SchedulerSide(Outcomes):
         job_id = self._next_job = self._next_job + 1
         self._jobs[job_id] = job
         meta.saves[job_id] = placed
+        if tails and not self.placement.knows_contents:  # (the arena's saves are never deferred)
+            meta.save_tails[job_id] = sorted(tails & set(keys))
 
     def _without_known(self, per_rank: List[list], owners: Dict[str, List[str]]) -> List[list]:
         """Every rank's entries minus the keys a save need not write. The arena's index knows

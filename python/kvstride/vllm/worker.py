@@ -207,7 +207,7 @@ class WorkerSide(Outcomes):
                     self._job_reports.update((job_id, JOB_REPORTS["failed"]) for job_id in meta.saves)
                     raise RuntimeError("no KV caches registered")
                 self.engine.submit_planned(puts={job: rank_entries(puts, self.tp_rank) for job, puts in meta.saves.items()},
-                                           fenced_groups=self._fenced_groups)
+                                           fenced_groups=self._fenced_groups, tails=meta.save_tails)
             elif self.engine is not None:  # a step without saves: the save lane lingers for nothing
                 self.engine.flush_puts()
         except Exception as err:
