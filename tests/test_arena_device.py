@@ -153,6 +153,13 @@ for (name, make), dma_runs in itertools.product(LAYOUTS.items(), (0, 8)):  # sca
     assert [len(part) for part, _ in chunks] == [1, 3, 3, 2, 1] and found is None  # at most 3, the last ones smaller
     regions.save(slots, grps, blocks)
     assert _values(arena, slots, grps) == _values(regions, slots, grps), name
+    if dma_runs:  # a few runs of slots: the save's drains are the copy engine's, one copy a run
+        engine_arena, engine_regions = HostArena(layout, 48, copier="regions"), HostArena(layout, 48, copier="regions")
+        DeviceCopier(layout, engine_arena.buffer, engine_arena.slot_bytes, engine_arena._pieces,
+                     chunk_bytes=3 * engine_arena.slot_bytes, programs=5, kernels=True,
+                     dma_runs=dma_runs).save(np.arange(5, 15), grps, blocks)
+        engine_regions.save(np.arange(5, 15), grps, blocks)
+        assert _values(engine_arena, np.arange(5, 15), grps) == _values(engine_regions, np.arange(5, 15), grps), name
     saved = _blocks(kv, groups, grps, blocks)
     saved_by_entry = [_blocks(kv, groups, grps[i:i + 1], blocks[i:i + 1]) for i in range(10)]
     for t in layout.storages:
@@ -370,7 +377,7 @@ class Streams:
         from kvstride.arena import device, device_xxh3
 
         launches = {"gather": [], "drain": [], "hash": [], "copy in": [], "check": [], "scatter": [],
-                    "gathered groups": []}
+                    "gathered groups": [], "by kernel": [], "by copy engine": []}
 
         @contextlib.contextmanager
         def stream(s):
@@ -387,9 +394,15 @@ class Streams:
 
         def rows(kernels, table, first, count, longest, programs):
             launches["drain" if self.current[-1].name.startswith("save") else "copy in"].append(self.launch("rows"))
+            launches["by kernel"].append(launches["drain" if self.current[-1].name.startswith("save") else "copy in"][-1])
 
         def xxh3(*args, expected=None, **kwargs):
             launches["hash" if expected is None else "check"].append(self.launch("xxh3"))
+
+        def copy_engine(dst, src):  # the copy engine's copies are launches on their stream too
+            launches["drain" if self.current[-1].name.startswith("save") else "copy in"].append(self.launch("copy"))
+            launches["by copy engine"].append(launches["drain" if self.current[-1].name.startswith("save") else "copy in"][-1])
+            dst.copy_(src)
 
         monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: self.current[-1])
         monkeypatch.setattr(torch.cuda, "stream", stream)
@@ -397,6 +410,8 @@ class Streams:
         monkeypatch.setattr(device.BlockKernels, "blocks", blocks)
         monkeypatch.setattr(device.BlockKernels, "rows", rows)
         monkeypatch.setattr(device_xxh3, "launch_xxh3_rows", xxh3)
+        for module in (device, kvstride.transfer):
+            monkeypatch.setattr(module, "copy_engine", copy_engine)
         for module in (device, kvstride.transfer):
             monkeypatch.setattr(module, "used_on", lambda tensor, stream: None)
         for attribute, name in streams.items():
@@ -441,6 +456,30 @@ def _ordered_copier(monkeypatch):
 #: attribute: the name a modelled stream takes.
 PIPELINE_STREAMS = {"gather": "save", "urgent": "save urgent", "drain": "save drain", "scatter": "load",
                     "hash": "hash", "urgent_hash": "hash urgent", "check": "check"}
+
+
+@pytest.mark.parametrize("dma_runs", [0, 8])
+def test_the_host_link_is_the_copy_engines_for_few_runs_of_slots_and_the_kernels_else(monkeypatch, dma_runs):
+    """A save's drains and a load's copies over the host link: by the copy engine (one copy a
+    run, no SM taken) where a chunk's slots form at most ``dma_runs`` runs, else by the rows
+    kernel; each drain follows its chunk's gather. The staging pool's drains are always the copy
+    engine's (a chunk is one range of the pool)."""
+    kv, groups = kvdata.flash_attn(nb=40, bs=64)
+    layout = KVLayout(kv, groups)
+    arena = HostArena(layout, 40, copier="regions")
+    copier = DeviceCopier(layout, arena.buffer, arena.slot_bytes, arena._pieces, chunk_bytes=3 * arena.slot_bytes,
+                          kernels=True, dma_runs=dma_runs)
+    streams = Streams()
+    launches = streams.install(monkeypatch, copier, PIPELINE_STREAMS)
+    slots = np.arange(12)  # one run a chunk
+    chunks, _ = copier.save(slots, np.zeros(12, dtype=np.int64), slots + 1)
+    assert len(launches["drain"]) == len(chunks) == 5
+    assert all(streams.before(g, d) for g, d in zip(launches["gather"], launches["drain"]))
+    by_engine = [d in launches["by copy engine"] for d in launches["drain"]]
+    assert by_engine == [bool(dma_runs)] * len(chunks)
+    copier.load(slots, np.zeros(12, dtype=np.int64), slots + 20, check=lambda part: np.ones(len(part), dtype=bool))
+    assert [c in launches["by copy engine"] for c in launches["copy in"]] == [True] * len(launches["copy in"])
+    assert len(launches["copy in"]) == (len(chunks) if dma_runs else 0)  # else the scatter reads the slots
 
 
 def test_a_device_save_is_ordered_against_the_callers_stream_and_its_staging(monkeypatch):

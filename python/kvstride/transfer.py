@@ -18,7 +18,7 @@ return). On CUDA they are the copy kernels of :mod:`kvstride.arena.device`, on s
 (gathers, their drains, scatters) ordered after the caller's stream (or an event of it,
 ``after=``), in chunks of at most ``CHUNK_BYTES``: a gather copies the blocks into device
 staging laid out as the pool is (every core helping, in a ring of rows the gathers share:
-``StagingRing``), then a kernel drains it into the pinned pool; a scatter copies the pool's
+``StagingRing``), then the copy engine drains it into the pinned pool; a scatter copies the pool's
 range into device staging (the copy engine), then a kernel scatters it into the blocks. The
 returned :class:`CopyEvents` holds CUDA events: the caller's stream must wait for a gather's reads
 before it overwrites the blocks (``CopyEvents.wait_stream``, or per block ``KVLayout.fence``; no
@@ -49,6 +49,7 @@ from .arena.device import (
     SAVE_STAGING_CHUNKS,
     BlockKernels,
     DevicePipeline,
+    copy_engine,
     chunk_sizes,
     digests_to_host,
     drain_chunk,
@@ -455,23 +456,21 @@ class Transfer:
             staged = np.zeros(len(payloads), dtype=np.uint64)
             for (first, end, offset, _), chunk in zip(chunks, taken):
                 staged[first:end] = np.uint64(chunk.address) + (payloads[first:end] - np.uint64(self.pool.ptr + offset))
-            # Rows: the blocks' table, one drain row per chunk (the chunk's pool range at once), lengths.
-            rows = np.zeros((3, len(payloads)), dtype=np.uint64)
-            for k, ((_, _, offset, nbytes), chunk) in enumerate(zip(chunks, taken)):
-                rows[:, k] = (chunk.address, self.pool.ptr + offset, nbytes // kernels.width)
-            table = kernels.table(groups, block_ids, staged, *rows, self._payload_bytes[groups])
+            table = kernels.table(groups, block_ids, staged, self._payload_bytes[groups])
             found = torch.empty(len(payloads), dtype=torch.int64, device=self.device) if digests else None
-            for k, ((first, end, _, nbytes), chunk) in enumerate(zip(chunks, taken)):
+            for (first, end, offset, nbytes), chunk in zip(chunks, taken):
                 chunk.wait(gathers)  # its rows' last reader first
                 kernels.blocks(table, groups, first, end - first, True, kernels.device_programs)
                 read = recorded(gathers)
                 self.layout.pending_reads.add(block_ids[first:end], read)
 
-                def drain(k=k, nbytes=nbytes) -> None:  # a kernel: a launch costs the caller the same at any size
-                    kernels.rows(table[3:], k, 1, nbytes, kernels.programs)
+                def drain(chunk=chunk, offset=offset, nbytes=nbytes) -> None:
+                    # The chunk's pool range is one run: the copy engine, at the link's speed, no SM taken.
+                    start = chunk.start * STAGING_ROW
+                    copy_engine(self.pool.tensor[offset:offset + nbytes], ring.memory[start:start + nbytes])
 
                 def digest(first=first, end=end) -> None:
-                    device_xxh3.launch_xxh3_rows(kernels.origin, table, first, end - first, 2, 6, found)
+                    device_xxh3.launch_xxh3_rows(kernels.origin, table, first, end - first, 2, 3, found)
 
                 drain_chunk(chunk, read, drains, hashes, drain, digest if digests else None)
             if digests:

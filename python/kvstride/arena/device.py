@@ -57,7 +57,7 @@ from kvstride.arena import device_xxh3
 from kvstride.copies import PieceTable
 
 __all__ = ["BlockKernels", "DeviceCopier", "DevicePipeline", "StagingRing", "SAVE_STAGING_CHUNKS", "CHUNK_BYTES", "COPY_PROGRAMS",
-           "DMA_RUNS", "access_width", "chunk_sizes", "copy_rows", "digests_to_host", "drain_chunk", "launch_copy_rows",
+           "DMA_RUNS", "access_width", "chunk_sizes", "copy_engine", "copy_rows", "digests_to_host", "drain_chunk", "launch_copy_rows",
            "on_side_stream", "recorded", "slot_runs", "to_host", "used_on"]
 
 #: One chunk at most: a save's (its staging holds ``SAVE_STAGING_CHUNKS``), a load's, and
@@ -69,9 +69,11 @@ CHUNK_BYTES = 128 << 20
 #: GPU's cores, so that the model's own kernels run beside a copy.
 COPY_PROGRAMS = 32
 
-#: Runs of consecutive slots in a load's chunk up to which the GPU's copy engine moves them
-#: (one ``copy_`` a run, at the host link's full speed); a chunk of more scattered slots is
-#: read by a kernel straight from the slots (about 0.9 of that speed, one launch).
+#: Runs of consecutive slots in a chunk up to which the GPU's copy engine moves them over the
+#: host link (one ``copy_`` a run, at the link's full speed, no SM); a chunk of more scattered
+#: slots is moved by the rows kernel on ``COPY_PROGRAMS`` programs (about 0.9 of that speed, one
+#: launch), straight from the slots (loads) or out of device staging (saves' drains). A run is
+#: one slot or more, never a piece: pieces (4-64 KiB) meet only device memory.
 DMA_RUNS = 8
 
 #: Elements a program copies per step of its loop.
@@ -414,6 +416,11 @@ class BlockKernels:
         launch_copy_rows(self._piece_table, table, first, count, self.width, self.vec, longest // self.width, programs)
 
 
+def copy_engine(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """One copy by the GPU's copy engine on the current stream (``copy_``, not waited for)."""
+    dst.copy_(src, non_blocking=True)
+
+
 def on_side_stream(stream, after=None):
     """``stream``, ordered after the event ``after`` (default: the work queued on the calling
     thread's current stream), as a context; a no-op without a stream (CPU)."""
@@ -521,7 +528,15 @@ class DeviceCopier:
         size = self.slot_bytes
         for position, first, count in runs:
             start = (row + position) * size
-            staging[start:start + count * size].copy_(self.host[first * size:(first + count) * size], non_blocking=True)
+            copy_engine(staging[start:start + count * size], self.host[first * size:(first + count) * size])
+
+    def _copy_runs_out(self, staging: torch.Tensor, runs: List[Tuple[int, int, int]], row: int) -> None:
+        """The copy engine moves ``staging``'s rows from ``row + position`` on into each
+        ``(position, first slot, count)`` run of slots."""
+        size = self.slot_bytes
+        for position, first, count in runs:
+            start = (row + position) * size
+            copy_engine(self.host[first * size:(first + count) * size], staging[start:start + count * size])
 
     # ---- saves -------------------------------------------------------------------------
 
@@ -560,10 +575,14 @@ class DeviceCopier:
                     gathered = recorded(gathers)
                     self.layout.pending_reads.add(block_ids[part], gathered)
 
-                    def drain(part=part) -> None:
+                    runs = self._link_runs(slots[part]) if table is not None else None
+
+                    def drain(part=part, chunk=chunk, runs=runs) -> None:
                         if table is None:
                             copy_rows(staged[part], into[part], lengths[part])
-                        else:  # a kernel, not the copy engine: a launch costs the caller the same at any size
+                        elif runs is not None:  # few runs of slots: the copy engine, no SM taken
+                            self._copy_runs_out(ring.memory, runs, chunk.start)
+                        else:
                             self.kernels.rows(table[3:], int(part[0]), len(part), int(lengths[part].max()),
                                               self.kernels.programs)
 
