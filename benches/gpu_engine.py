@@ -8,7 +8,8 @@
 Geometries: ``llama8b`` (32 layers, 8 KV heads x 128, bf16, 16-token blocks: a block is 64
 pieces of 32 KiB), ``hybrid`` (full attention + sliding window + Mamba state lists + a scratch
 ring, 64-token blocks), ``mla`` (one tensor per layer, 576 wide), ``fp8`` (``llama8b`` in
-float8). Per geometry: raw D2H and H2D, the engine's save and load each alone and both at once
+float8), ``gemma3-tp8`` and ``gpt-oss-tp8`` (one rank of those models at TP 8: full attention and
+sliding window, pieces of 8 KiB and 2 KiB). Per geometry: raw D2H and H2D, the engine's save and load each alone and both at once
 (a save of other blocks while a load runs), each as GB/s and as a ratio of raw (medians of
 ``--reps``), and how long ``submit_planned`` held its caller for the save, and its stream for
 the save's reads of the groups the connector does not fence (Mamba's); then, not gated, a
@@ -57,6 +58,11 @@ from kvstride.transfer import StagingPool, Transfer
 
 GOAL_ONE_WAY, GOAL_BOTH, GOAL_HOLD_S, GOAL_STAGED = 0.9, 0.85, 0.002, 0.8
 GOAL_MODEL_SLOWDOWN = 1.03
+#: Real hybrids at TP 8, one rank's KV (16-token blocks, bf16): (layers, every how many layers one
+#: is full attention, KV heads a rank, head dim, window). Gemma-3-27B: 8 KiB pieces; gpt-oss-120b:
+#: 2 KiB pieces.
+SMALL_PIECES = {"gemma3-tp8": (62, 6, 2, 128, 1024), "gpt-oss-tp8": (36, 2, 1, 64, 128)}
+GEOMETRIES = ["llama8b", "hybrid", "mla", "fp8", *SMALL_PIECES]
 MATMULS, MATMUL_SIZE, ATTENTION_TOKENS = 8, 8192, 8192
 
 
@@ -80,7 +86,13 @@ def build(name: str, blocks: int, device):
         specs = [kvstride.GroupSpec("full_attention", 64), kvstride.GroupSpec("sliding_window", 64, window=1024),
                  kvstride.GroupSpec("mamba", 64, mamba_mode="align"), kvstride.GroupSpec("circular_buffer", 4)]
         return kv, names, specs
-    raise SystemExit(f"--geometry {name!r}: use llama8b, hybrid, mla, fp8 or all")
+    if name in SMALL_PIECES:  # one TP rank's share of a real model: pieces of a few KiB
+        layers, windowed, heads, dim, window = SMALL_PIECES[name]
+        kv = {f"l{i}": torch.empty(2, blocks, 16, heads, dim, dtype=torch.bfloat16, device=device) for i in range(layers)}
+        local = [f"l{i}" for i in range(layers) if i % windowed]
+        names = [[f"l{i}" for i in range(layers) if not i % windowed], local]
+        return kv, names, [kvstride.GroupSpec("full_attention", 16), kvstride.GroupSpec("sliding_window", 16, window=window)]
+    raise SystemExit(f"--geometry {name!r}: use {', '.join(GEOMETRIES)} or all")
 
 
 def median_time(fn, reps: int, sync) -> float:
@@ -121,7 +133,7 @@ def setup(name: str, args, device, copies: int):
     """``name``'s KV cache with room for ``copies`` times one op's blocks (random bytes), its
     layout, a planner, and one op: every stored group's blocks of the requests (a hybrid's
     groups share the count; never the scratch ring), from block 1 on."""
-    block_tokens = 16 if name in ("llama8b", "fp8") else 64
+    block_tokens = 16 if name in ("llama8b", "fp8", *SMALL_PIECES) else 64
     saved_blocks = args.requests * -(-args.tokens // block_tokens)
     kv, names, specs = build(name, copies * saved_blocks + 2, device)
     layout = KVLayout(kv, names)
@@ -513,7 +525,7 @@ def model_cost(name: str, args, device) -> bool:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--geometry", default="all", help="llama8b, hybrid, mla, fp8 or all")
+    ap.add_argument("--geometry", default="all", help=f"{', '.join(GEOMETRIES)} or all")
     ap.add_argument("--requests", type=int, default=4)
     ap.add_argument("--tokens", type=int, default=4096)
     ap.add_argument("--reps", type=int, default=3)
@@ -536,7 +548,7 @@ def main() -> int:
     programs = args.programs or kvstride.arena.device.COPY_PROGRAMS
     print(f"device: {label}; torch {torch.__version__}; {args.requests} requests x {args.tokens} tokens a save; "
           f"copy kernels of {programs} programs")
-    names = ["llama8b", "hybrid", "mla", "fp8"] if args.geometry == "all" else [args.geometry]
+    names = GEOMETRIES if args.geometry == "all" else [args.geometry]
     results = {} if args.staged_only else {name: run(name, args, device) for name in names}
     if args.staged != "none":
         results.update({f"{name} staged": run_staged(name, args, device) for name in names})
