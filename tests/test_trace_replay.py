@@ -495,3 +495,18 @@ def test_cli_replays_at_the_default_capacities_and_a_disk_given_as_text(tmp_path
     tiered = run_trace(str(trace), model=str(model), capacities=["1G"], policies=["kvstride"], disk_bytes="4GiB",
                        disk_policies=["spill"])
     assert [r["disk_bytes"] for r in tiered] == [0, 4 << 30]
+
+
+def test_a_quiet_replay_says_each_cell_as_it_ends(tmp_path, capsys):
+    """``--quiet`` draws no progress bar, but a long replay is not silent: one line on stderr as
+    each policy and capacity ends, then the table."""
+    model = tmp_path / "toy.json"
+    model.write_text(json.dumps(TOY))
+    trace = tmp_path / "trace.jsonl"
+    rows = [{"timestamp": i, "input_length": 1500, "output_length": 5, "hash_ids": [1, 2, 3 + i % 2]} for i in range(4)]
+    trace.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    assert main(["simulate", "--trace", str(trace), "--model", str(model), "--capacity", "1K,1G", "--quiet"]) == 0
+    out, err = capsys.readouterr()
+    said = err.strip().splitlines()
+    assert len(said) == 2 and all("kvstride at " in line and "of prompt tokens hit" in line for line in said), err
+    assert "hit rate" in out

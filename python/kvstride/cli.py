@@ -400,6 +400,12 @@ def simulate_trace(args) -> int:
     model = args.model
     capacities = [c for sizes in (args.capacity or []) for c in sizes]
     policy = args.policy or "kvstride"
+
+    def said(result: dict) -> None:  # --quiet: a line a finished replay, not a progress bar
+        tier = f" over a {result['disk']} disk ({result['disk_policy']})" if result.get("disk_bytes") else ""
+        print(f"kvstride simulate --trace: {result['policy']} at {result['capacity']}{tier}: "
+              f"{result['token_hit_rate']:.1%} of prompt tokens hit ({result['seconds']:.0f} s)", file=sys.stderr)
+
     try:
         results = run_trace(
             args.trace,
@@ -415,6 +421,7 @@ def simulate_trace(args) -> int:
             retention_interval=args.retention_interval,
             decode_states=args.decode_states,
             value_weight=args.value_weight,
+            on_result=said if args.quiet and not args.json else None,
         )
     except (OSError, ValueError) as err:
         print(f"kvstride simulate --trace: {err}", file=sys.stderr)
@@ -808,7 +815,8 @@ def build_parser() -> argparse.ArgumentParser:
     sim.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     sim.add_argument("--plot", metavar="FILE.png", type=_writable_path(".png"),
                      help="draw hit rate and throughput per turn (with --trace: hit rate per capacity)")
-    sim.add_argument("--quiet", action="store_true", help="no progress bar")
+    sim.add_argument("--quiet", action="store_true",
+                     help="no progress bar; with --trace, one line on stderr as each replay ends")
     parser.simulate_parser = sim  # its defaults tell which options were given (_mode_mismatch)
     bench_parser = commands.add_parser("bench", help="run the core and data-plane benches and print their ratio tables")
     bench_parser.add_argument("--quick", action="store_true", help="fewer repeats")

@@ -676,9 +676,11 @@ class TraceReplay:
 
 def replay(trace: Sequence[TraceRequest], model: ModelGeometry, capacities: Sequence[int],
            policies: Sequence[str], *, progress: bool = False, algo: str = "sha256_cbor", seed: int = 0,
-           disk_bytes: int = 0, disk_policies: Sequence[str] = DISK_POLICIES, **kwargs) -> List[dict]:
+           disk_bytes: int = 0, disk_policies: Sequence[str] = DISK_POLICIES, on_result=None,
+           **kwargs) -> List[dict]:
     """One result per policy x capacity; with ``disk_bytes``, each followed by one per disk
-    policy, that memory over a disk of ``disk_bytes``."""
+    policy, that memory over a disk of ``disk_bytes``. ``on_result(result)`` is called as each
+    one ends."""
     rp = TraceReplay(model, algo=algo, seed=seed)
     tiers = [{}] + [dict(disk_bytes=disk_bytes, disk_policy=p) for p in disk_policies if disk_bytes]
     out = []
@@ -687,4 +689,6 @@ def replay(trace: Sequence[TraceRequest], model: ModelGeometry, capacities: Sequ
             for tier in tiers:
                 out.append(rp.run(trace, ReplayConfig(model, cap, policy, algo=algo, seed=seed, progress=progress,
                                                       **tier, **kwargs)))
+                if on_result is not None:
+                    on_result(out[-1])
     return out
