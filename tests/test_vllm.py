@@ -120,6 +120,29 @@ def test_bit_identical_with_hits(model_dirs, plain_outputs, store_for, name):
     assert harness.mismatches(got, plain_outputs(name)) == []
 
 
+def test_an_engine_vllm_runs_without_prefix_caching_loads_nothing(tmp_path):
+    """vLLM's CPU platform turns prefix caching off for MLA models (DeepSeek-V2's shape here):
+    their prefill cannot attend to a prefix it did not compute, so a loaded prefix changes the
+    output (P2's logprobs and the repeat's tokens did). kvstride claims no hit on such an engine,
+    and the scenario matches a plain run; saves go on."""
+    model = harness.Model("deepseek_v2", harness.deepseek_v2, 16)
+    path = harness.deepseek_v2(tmp_path / "deepseek_v2")
+    plain = LLM(**harness.engine_kwargs(model, path))
+    try:
+        assert not plain.llm_engine.vllm_config.cache_config.enable_prefix_caching
+        want = harness.scenario(plain)
+    finally:
+        harness.close(plain)
+    llm = LLM(**harness.engine_kwargs(model, path, connector={"store": "embedded"}))
+    try:
+        sched, worker = _connectors(llm)
+        got = harness.scenario(llm)
+        assert sched.matched_tokens == 0 and worker.counters.get("bytes_stored", 0) > 0, dict(worker.counters)
+    finally:
+        harness.close(llm)
+    assert harness.mismatches(got, want) == []
+
+
 def _perturb_group_on_load(monkeypatch, group: int) -> list:
     """Every block of ``group`` that an arena load writes gets its bytes reversed afterwards."""
     original = HostArena.load

@@ -91,6 +91,23 @@ def gemma3(path: Path) -> str:
     return _write_model(path, cfg)
 
 
+def deepseek_v2(path: Path) -> str:
+    """Multi-head latent attention (MLA: one 576-wide latent KV cache a layer, the one size vLLM's
+    CPU MLA backend takes) and a small MoE: 1 dense layer + 1 MoE layer of 4 experts. vLLM's CPU
+    platform runs MLA with 16-token blocks and without prefix caching."""
+    from transformers import DeepseekV2Config
+
+    cfg = DeepseekV2Config(
+        num_hidden_layers=2, hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_attention_heads=2,
+        num_key_value_heads=2, kv_lora_rank=512, q_lora_rank=None, qk_nope_head_dim=16, qk_rope_head_dim=64,
+        v_head_dim=16, n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1, first_k_dense_replace=1,
+        n_group=1, topk_group=1,
+        vocab_size=512, max_position_embeddings=2048, bos_token_id=1, eos_token_id=2, rope_scaling=None,
+    )
+    cfg.architectures = ["DeepseekV2ForCausalLM"]
+    return _write_model(path, cfg)
+
+
 def _slow_decay(model) -> None:
     """``A_log`` = -4.6 in every Mamba/GDN layer: a slow decay, so the state matters 100+ tokens
     later."""

@@ -297,6 +297,9 @@ class ConnectorConfig:
     # to its LoRA adapter's and multimodal items' content too (kvstride.vllm.bindings)
     binds_requests: bool = False
     trust_client_mm_uuids: bool = False  # kv_connector_extra_config's: vLLM's item identifiers as they are
+    # vLLM's enable_prefix_caching as its platform left it: off, the attention backend may not
+    # compute from a prefix it did not compute itself (MLA on vLLM's CPU backend), so no hit
+    prefix_caching: bool = True
     # The planners of every rank for one request binding (None: the engine's own, rank_planners)
     planners_for: Optional[Callable[[Optional[str]], List[kvstride.KeyPlanner]]] = field(default=None, repr=False)
 
@@ -370,5 +373,6 @@ def resolve_config(vllm_config, kv_cache_config, worker: bool) -> ConnectorConfi
         model_identity=identity,
         worker_rank=_tp_rank(pc, max(1, int(getattr(pc, "tensor_parallel_size", 1) or 1))) if worker else 0,
         binds_requests=shared, trust_client_mm_uuids=trust_mm,
+        prefix_caching=bool(getattr(vllm_config.cache_config, "enable_prefix_caching", True)),
         planners_for=lambda binding: [planner_of(rank, binding) for rank in range(tp_size)],
     )

@@ -127,6 +127,12 @@ class SchedulerSide(Outcomes):
         self._stamps: Dict[str, int] = {}  # req id -> its recency in the placement's eviction order
         self._worths: Dict[str, float] = {}  # req id -> its worth there (prefill saved per slot)
         self._slot_values = [1] * len(self.planner.hashes_per_block)  # a value fills one slot
+        self._claims_hits = config.prefix_caching
+        if not self._claims_hits:
+            self._log_once("no-prefix-caching", "kvstride: vLLM runs this engine without prefix caching (its platform "
+                           "turns it off for some models, e.g. MLA on vLLM's CPU backend, whose prefill cannot attend "
+                           "to a prefix it did not compute): no request is loaded from the store, every one computes "
+                           "its prompt; saves go on")
 
     def shutdown(self) -> None:
         self._shut_engine()
@@ -145,7 +151,7 @@ class SchedulerSide(Outcomes):
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int):
         try:
             rid = request.request_id
-            if self.engine is None or rid in self._recompute:
+            if self.engine is None or rid in self._recompute or not self._claims_hits:
                 return 0, False
             if self._disabled_ranks:  # a load would fail on those ranks: a miss, not a failure
                 self.count("lookups_store_disabled")
