@@ -319,12 +319,20 @@ def test_every_reported_hit_is_servable_by_every_group(tmp_path, policy, geometr
     assert hits, "the trace should produce hits"
 
 
-def test_cli_json_fields(tmp_path):
+def _toy_files(tmp_path, requests: int):
+    """The toy model's JSON and a trace of ``requests`` requests sharing two of their three
+    blocks (the third alternates), as the command reads them."""
     model = tmp_path / "toy.json"
     model.write_text(json.dumps(TOY))
     trace = tmp_path / "trace.jsonl"
-    rows = [{"timestamp": i, "input_length": 1500, "output_length": 5, "hash_ids": [1, 2, 3 + i % 2]} for i in range(6)]
+    rows = [{"timestamp": i, "input_length": 1500, "output_length": 5, "hash_ids": [1, 2, 3 + i % 2]}
+            for i in range(requests)]
     trace.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    return model, trace
+
+
+def test_cli_json_fields(tmp_path):
+    model, trace = _toy_files(tmp_path, 6)
     out = io.StringIO()
     with redirect_stdout(out):
         rc = main(["simulate", "--trace", str(trace), "--model", str(model), "--capacity", "1K,1G",
@@ -482,11 +490,7 @@ def test_cli_replays_at_the_default_capacities_and_a_disk_given_as_text(tmp_path
     ``run_trace`` reads sizes as the command does."""
     from kvstride.simulate import DEFAULT_TRACE_CAPACITIES, run_trace
 
-    model = tmp_path / "toy.json"
-    model.write_text(json.dumps(TOY))
-    trace = tmp_path / "trace.jsonl"
-    rows = [{"timestamp": i, "input_length": 1500, "output_length": 5, "hash_ids": [1, 2, 3 + i % 2]} for i in range(4)]
-    trace.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    model, trace = _toy_files(tmp_path, 4)
     out = io.StringIO()
     with redirect_stdout(out):
         assert main(["simulate", "--trace", str(trace), "--model", str(model), "--json", "--quiet"]) == 0
@@ -500,11 +504,7 @@ def test_cli_replays_at_the_default_capacities_and_a_disk_given_as_text(tmp_path
 def test_a_quiet_replay_says_each_cell_as_it_ends(tmp_path, capsys):
     """``--quiet`` draws no progress bar, but a long replay is not silent: one line on stderr as
     each policy and capacity ends, then the table."""
-    model = tmp_path / "toy.json"
-    model.write_text(json.dumps(TOY))
-    trace = tmp_path / "trace.jsonl"
-    rows = [{"timestamp": i, "input_length": 1500, "output_length": 5, "hash_ids": [1, 2, 3 + i % 2]} for i in range(4)]
-    trace.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    model, trace = _toy_files(tmp_path, 4)
     assert main(["simulate", "--trace", str(trace), "--model", str(model), "--capacity", "1K,1G", "--quiet"]) == 0
     out, err = capsys.readouterr()
     said = err.strip().splitlines()
