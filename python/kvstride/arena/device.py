@@ -56,9 +56,9 @@ from kvstride import _core
 from kvstride.arena import device_xxh3
 from kvstride.copies import PieceTable
 
-__all__ = ["BlockKernels", "DeviceCopier", "DevicePipeline", "StagingRing", "SAVE_STAGING_CHUNKS", "CHUNK_BYTES", "COPY_PROGRAMS",
-           "DMA_RUNS", "access_width", "chunk_sizes", "copy_engine", "copy_rows", "digests_to_host", "drain_chunk", "launch_copy_rows",
-           "on_side_stream", "recorded", "slot_runs", "to_host", "used_on"]
+__all__ = ["BlockKernels", "DeviceCopier", "DevicePipeline", "StagingRing", "SAVE_STAGING_CHUNKS", "CHUNK_BYTES",
+           "COPY_PROGRAMS", "DMA_RUNS", "access_width", "chunk_sizes", "copy_engine", "copy_rows", "digests_to_host",
+           "drain_chunk", "launch_copy_rows", "on_side_stream", "recorded", "slot_runs", "to_host", "used_on"]
 
 #: One chunk at most: a save's (its staging holds ``SAVE_STAGING_CHUNKS``), a load's, and
 #: the bytes whose digests are computed (saves) or checked (loads) while the previous or next

@@ -39,6 +39,13 @@ deferred, not failed: counted (``saves_deferred``), its requests' planned offset
 their next step plans those blocks again. Puts a later step may not plan again are staged
 first; a tail deferred all the same is lost (``tails_dropped``). Loads stage in the pool's load
 share, which saves never take.
+
+The modules, by role: ``offload`` (:class:`OffloadEngine`: submit, fences, the lanes, outcomes and
+request offsets), ``lookups``, ``planning`` (a step's save plans), ``direct`` (saves into a store
+that copies blocks itself, and the launch lane), ``staged`` (saves through the staging pool and
+the save lane's store calls), ``loads`` (the load lane and its deadline), ``jobs`` (what a driver
+hands in and gets back, and the lanes' jobs) and ``settings``. The roles are classes the engine
+inherits (mixins): each reads the engine's state, which ``offload`` sets up.
 """
 
 from kvstride.engine.jobs import Finished, LoadRequest, SaveRequest
