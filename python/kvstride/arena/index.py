@@ -5,12 +5,12 @@ wrote them (:mod:`kvstride.arena` says how the two sides fit). No bytes live her
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from kvstride.capacity import PrefixOrder
 from kvstride.stores.placement import EVERY_RANK
 
-__all__ = ["SlotIndex", "ArenaPlacement", "slots_for", "ALIGN"]
+__all__ = ["SlotIndex", "ArenaPlacement", "slots_for", "overdue", "ALIGN"]
 
 #: Slot size granularity (bytes): every slot starts on a cache line.
 ALIGN = 64
@@ -18,6 +18,14 @@ ALIGN = 64
 #: Scheduler steps after which a write-through job not every rank reported is given up (its
 #: records freed, its slots released, the workers told not to write it if they have not begun).
 ABANDON_DISK_AFTER_STEPS = 256
+
+
+def overdue(jobs: Dict[int, Any], step: int, limit: int) -> List[int]:
+    """The ids of ``jobs`` (each with the ``step`` it was handed out at) that ``limit`` steps
+    have passed without every rank's report, at scheduler step ``step``: the one give-up clock of
+    the scheduler's save jobs and disk jobs, each with its own limit."""
+    oldest = step - limit
+    return [job_id for job_id, job in jobs.items() if job.step < oldest]
 
 #: Write-through admission: records in flight (queued on the workers or being written, each
 #: holding its arena slot) at most what the disk completes in this many steps, measured: a
@@ -412,8 +420,7 @@ class ArenaPlacement:
             self._disk_busy_decayed = self._disk_busy_decayed * keep + 1.0
         self._disk_done = 0
         self._disk_busy = self._disk_in_flight > 0
-        oldest = self._step - ABANDON_DISK_AFTER_STEPS
-        for job_id in [j for j, job in self._disk_jobs.items() if job.step < oldest]:
+        for job_id in overdue(self._disk_jobs, self._step, ABANDON_DISK_AFTER_STEPS):
             self._end_disk_job(self._disk_jobs.pop(job_id), ok=False)
             self._disk_cancelled.append(job_id)
             self.counts["disk_write_jobs_given_up"] = self.counts.get("disk_write_jobs_given_up", 0) + 1

@@ -20,6 +20,7 @@ import logging
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Tuple
 
+from kvstride.arena.index import overdue
 from kvstride.capacity import Ghost, prefill_per_byte
 from kvstride.engine import LoadRequest, OffloadEngine, SaveRequest
 from kvstride.vllm.bindings import RequestBindings
@@ -413,8 +414,7 @@ class SchedulerSide(Outcomes):
         rank reported the job, since a late copy may still write them; a rank that never
         reports keeps them out of use (``save_jobs_abandoned`` less ``save_jobs_reported_late``)
         rather than let a load read another key's bytes out of them."""
-        oldest = self._step - ABANDON_AFTER_STEPS
-        for job_id in [j for j, job in self._jobs.items() if job.step < oldest]:
+        for job_id in overdue(self._jobs, self._step, ABANDON_AFTER_STEPS):
             job = self._jobs.pop(job_id)
             self._given_up[job_id] = [job.ok + job.bad + job.deferred, self.placement.saves_abandoned(job.keys)]
             self.engine.count("save_jobs_abandoned")
