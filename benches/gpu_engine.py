@@ -482,19 +482,16 @@ def model_cost(name: str, args, device) -> bool:
 
     def offload():  # what the connector's workers would queue, back to back
         try:
-            rounds_until_stopped()
+            while not stop.is_set():
+                rounds[0] += 1
+                engine.submit_planned(puts={rounds[0]: resaves}, fenced_groups=fenced)
+                engine.submit_planned(gets={f"r{rounds[0]}": gets})
+                engine.wait_idle()
+                done = engine.get_finished()
+                assert done.jobs_done.get(rounds[0]) == "ok" and not done.loads_failed, "a save or a load failed"
+                moved[0] += 2 * sum(layout.groups[g].block_bytes for g, _ in entries)
         except BaseException as err:  # seen by the main thread after the join
             failure.append(err)
-
-    def rounds_until_stopped():
-        while not stop.is_set():
-            rounds[0] += 1
-            engine.submit_planned(puts={rounds[0]: resaves}, fenced_groups=fenced)
-            engine.submit_planned(gets={f"r{rounds[0]}": gets})
-            engine.wait_idle()
-            done = engine.get_finished()
-            assert done.jobs_done.get(rounds[0]) == "ok" and not done.loads_failed, "a save or a load failed"
-            moved[0] += 2 * sum(layout.groups[g].block_bytes for g, _ in entries)
 
     try:
         engine.submit_planned(puts={0: saves}, fenced_groups=fenced)

@@ -84,40 +84,30 @@ def _writable_path(suffix: Optional[str] = None):
     return parse
 
 
-def _positive_size(text: str, example: str) -> int:
-    """A size such as 256G or 4TiB (binary units), > 0."""
+def _size(text: str, example: str = "1G or 512MiB", positive: bool = False) -> int:
+    """A size such as 256G or 4TiB (binary units), >= 0 (``positive``: > 0); ``--store-bytes``."""
     from kvstride.sizes import parse_size
 
     try:
         size = parse_size(text)
     except (ValueError, OverflowError):  # not a size; inf
         size = None
-    if size is None or size <= 0:
-        raise argparse.ArgumentTypeError(f"{text!r}: give a size > 0 such as {example}")
+    if size is None or (positive and size <= 0):
+        raise argparse.ArgumentTypeError(f"{text!r}: give a size{' > 0' if positive else ''} such as {example}")
     return size
 
 
 def _capacities(text: str) -> List[int]:
     """``--capacity``: sizes such as 256G or 1T (binary units), comma-separated, each > 0."""
-    out = [_positive_size(item, "256G or 1T") for item in (t.strip() for t in text.split(",") if t.strip())]
+    out = [_size(item, "256G or 1T", positive=True) for item in (t.strip() for t in text.split(",") if t.strip())]
     if not out:
         raise argparse.ArgumentTypeError(f"{text!r}: give sizes such as 256G,1T")
     return out
 
 
-def _size(text: str) -> int:
-    """``--store-bytes``: one size >= 0."""
-    from kvstride.sizes import parse_size
-
-    try:
-        return parse_size(text)
-    except (ValueError, OverflowError) as e:
-        raise argparse.ArgumentTypeError(f"{text!r}: give a size such as 1G or 512MiB") from e
-
-
 def _disk_size(text: str) -> int:
     """``--disk-bytes``: one size > 0."""
-    return _positive_size(text, "4T or 512G")
+    return _size(text, "4T or 512G", positive=True)
 
 
 def _disk_folder(text: str) -> str:

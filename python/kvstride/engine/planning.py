@@ -25,35 +25,14 @@ class SavePlanning:
         ``depths``, if given, gets each key's depth: the tokens its block ends at (a tail's
         boundary), for an eviction order that keeps prefixes. ``tail_keys``, if given, gets the
         keys only a partial tail names (lost if their save is deferred)."""
-        entries, owners, ends, failed, tails = self._plan_saves(saves, states, known, planner, depths)
-        if tail_keys is not None:
-            tail_keys |= tails
-        return entries, owners, ends, failed
 
-    @staticmethod
-    def _depths(planner, save: SaveRequest, offset: int, end: int, puts, depths: Dict[str, int]) -> None:
-        """Each put's block end in tokens, from the block-table rows the save covered (the
-        normal save writes blocks in [offset, end) only: the cost stays that of the step)."""
-        rows: Dict[int, Dict[int, int]] = {}
-        for key, group, block_id in puts:
-            b = planner.groups[group].block_size
-            where = rows.get(group)
-            if where is None:
-                lo = offset // b
-                table = save.block_ids[group]
-                where = rows[group] = {bid: i for i, bid in enumerate(table[lo : -(-end // b)], lo)}
-            row = where.get(block_id)
-            depths[key] = end if row is None else (row + 1) * b
-
-    def _plan_saves(self, saves, states, known, planner=None, depths=None):
-        """``plan_saves``, plus the keys only partial tails name."""
         planner = planner or self.planner
         windowed = [spec.kind in ("sliding_window", "chunked_local") for spec in planner.groups]
         ordered: List[Tuple[int, str, int, int]] = []  # (staging order, key, group, block_id)
         owners: Dict[str, List[str]] = {}
         ends: List[int] = []
         failed: set = set()
-        tail_keys: set = set()
+        tails: set = set()
         for save, state in zip(saves, states):
             with self._lock:
                 offset = state.planned
@@ -77,7 +56,7 @@ class SavePlanning:
                 # Keys only the tail names (hand-off states, a partial boundary block): the
                 # next step cannot plan them again.
                 normal = {key for key, _, _ in puts}
-                tail_keys.update(key for key, _, _ in tail.puts if key not in normal)
+                tails.update(key for key, _, _ in tail.puts if key not in normal)
                 puts.extend(tail.puts)
                 if depths is not None and tail.boundary is not None:
                     depths.update((key, int(tail.boundary)) for key, _, _ in tail.puts)
@@ -90,7 +69,7 @@ class SavePlanning:
                 waiting = owners.get(key)
                 if waiting is None:
                     owners[key] = [req_id]
-                    order = 0 if key in tail_keys else 1 if windowed[group] else 2
+                    order = 0 if key in tails else 1 if windowed[group] else 2
                     ordered.append((order, key, group, block_id))
                 elif req_id not in waiting:
                     waiting.append(req_id)
@@ -106,7 +85,24 @@ class SavePlanning:
                 present = [False] * len(entries)
             self.count("put_skipped_present", sum(present))
             entries = [e for e, p in zip(entries, present) if not p]
-        return entries, owners, ends, failed, tail_keys
+        if tail_keys is not None:
+            tail_keys |= tails
+        return entries, owners, ends, failed
+
+    @staticmethod
+    def _depths(planner, save: SaveRequest, offset: int, end: int, puts, depths: Dict[str, int]) -> None:
+        """Each put's block end in tokens, from the block-table rows the save covered (the
+        normal save writes blocks in [offset, end) only: the cost stays that of the step)."""
+        rows: Dict[int, Dict[int, int]] = {}
+        for key, group, block_id in puts:
+            b = planner.groups[group].block_size
+            where = rows.get(group)
+            if where is None:
+                lo = offset // b
+                table = save.block_ids[group]
+                where = rows[group] = {bid: i for i, bid in enumerate(table[lo : -(-end // b)], lo)}
+            row = where.get(block_id)
+            depths[key] = end if row is None else (row + 1) * b
 
     def _starts(self, states) -> List[int]:
         with self._lock:

@@ -27,7 +27,8 @@ class StagedSaves:
         lane at once. While the pool is full, wait for staged batches to be put while the store
         keeps up (``_save_room_coming``); once it has stalled, defer the rest."""
         job.starts = self._starts(job.states)
-        entries, job.owners, job.ends, job.failed, job.tail_keys = self._plan_saves(job.saves, job.states, self.store.exists)
+        entries, job.owners, job.ends, job.failed = self.plan_saves(job.saves, job.states, self.store.exists,
+                                                                    tail_keys=job.tail_keys)
         self._stage_entries(job, entries)
 
     def _stage_entries(self, job: _SaveJob, entries: List[Tuple[str, int, int]]) -> None:
