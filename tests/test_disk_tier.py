@@ -371,6 +371,31 @@ def test_the_embedded_store_reads_back_from_disk_and_never_a_changed_record(tmp_
         store.close()
 
 
+def test_the_embedded_store_admits_to_disk_as_the_connector_does(tmp_path):
+    """EmbeddedStore's tier runs on the connector's ArenaPlacement: one save of more values than
+    the disk may have in flight before its pace is known writes that many through, counts the
+    rest ``disk_writes_skipped`` (kept in memory only), and what it wrote outlives memory."""
+    from kvstride.arena.index import DISK_IN_FLIGHT_START
+    from kvstride.stores import EmbeddedStore
+
+    kv = _kv()
+    count = DISK_IN_FLIGHT_START + 20
+    store = EmbeddedStore(40 << 20, fingerprint=FINGERPRINT, disk_path=str(tmp_path), disk_bytes=40 << 20)
+    try:
+        store.bind_layout(KVLayout(kv, [["attn"]]))
+        assert isinstance(store.placement, ArenaPlacement) and store.placement.disk is not None
+        keys = [f"k{i}" for i in range(count)]
+        assert store.save_blocks(keys, [0] * count, [i % NUM_BLOCKS for i in range(count)]) == [Status.OK] * count
+        assert store.disk_counters()["disk_writes_skipped"] == count - DISK_IN_FLIGHT_START
+        store.clear()
+        assert store.exists(keys) == [True] * DISK_IN_FLIGHT_START + [False] * (count - DISK_IN_FLIGHT_START)
+        kv["attn"][3].zero_()
+        assert store.load_blocks([keys[5]], [0], [3]) == [Status.OK]
+        assert torch.equal(kv["attn"][3], kv["attn"][5])
+    finally:
+        store.close()
+
+
 def test_a_file_system_without_direct_io_goes_through_the_page_cache(tmp_path, monkeypatch):
     """Where ``open(O_DIRECT)`` is refused (EINVAL: tmpfs on older kernels, some overlay file
     systems), the records are written and read through the page cache, as reliably."""

@@ -35,7 +35,10 @@ class EmbeddedStore(KVStore):
     ``disk_path`` and ``disk_bytes``: the disk tier the vLLM connector has (``kvstride.arena.disk``),
     for blocks of a bound layout: every block stored is written through to a record, a block
     memory evicted loads from its record (read into a slot on the caller's thread, verified),
-    and the records and their index outlive the store."""
+    and the records and their index outlive the store. Which slot and record each key takes,
+    what the disk admits, and when a key becomes readable in either tier is the connector's
+    own :class:`~kvstride.arena.index.ArenaPlacement` (``placement``), run on the caller's
+    thread as the connector's scheduler runs it on vLLM's."""
 
     def __init__(
         self,
@@ -56,7 +59,7 @@ class EmbeddedStore(KVStore):
                                                                             existing_records_bytes(disk_path))
         self._disk_bytes = int(disk_bytes)
         self.disk = None  # kvstride.arena.disk.DiskRecords, once a layout is bound
-        self._disk_index = None  # kvstride.arena.disk_index.DiskIndex
+        self._disk_counts: dict = {}  # what the placement counted (disk_writes_skipped, ...)
         if capacity_bytes <= 0:
             raise ValueError(f"EmbeddedStore capacity_bytes must be positive, got {capacity_bytes}")
         if slot_bytes is not None and not 0 < slot_bytes <= capacity_bytes:
@@ -66,7 +69,9 @@ class EmbeddedStore(KVStore):
         self.capacity = int(capacity_bytes)
         self._slot_bytes = slot_bytes
         self.arena = None  # kvstride.arena.HostArena, once the slot size is known
-        self._index = None  # kvstride.arena.SlotIndex
+        self.placement = None  # kvstride.arena.ArenaPlacement: the slots' and records' keys
+        self._index = None  # its SlotIndex
+        self._loads = 0  # names this store's loads for the placement
         self._lock = threading.Lock()
         self._closed = False
         if slot_bytes is not None:
@@ -92,7 +97,7 @@ class EmbeddedStore(KVStore):
 
     def _allocate(self, layout=None) -> bool:
         """(under the lock) Allocate the arena once its slot size is known."""
-        from kvstride.arena import HostArena, SlotIndex, slots_for
+        from kvstride.arena import ArenaPlacement, HostArena, slots_for
         from kvstride.arena.disk import DISK_ALIGN, DiskRecords, DiskSpec, record_bytes
         from kvstride.arena.disk_index import DiskIndex
 
@@ -102,27 +107,29 @@ class EmbeddedStore(KVStore):
         if self._disk_path is None:
             count = slots_for(self.capacity, slot)
             self.arena = HostArena(layout, count, slot_bytes=slot)
-            self._index = SlotIndex(count)
+            self.placement = ArenaPlacement(count)
+            self._index = self.placement.index
             return True
         if layout is None:
             raise ValueError("EmbeddedStore's disk tier stores blocks: bind a layout (an OffloadEngine does)")
         payload, record = record_bytes(slot)
         count = slots_for(self.capacity, payload)
         self.arena = HostArena(layout, count, slot_bytes=payload, align=DISK_ALIGN)
-        self._index = SlotIndex(count)
         records = self._disk_bytes // record
         if records < 1:
             raise ValueError(f"disk_bytes={format_size(self._disk_bytes)} holds no record of {format_size(record)}; "
                              f"give at least {format_size(record)}")
         spec = DiskSpec(self._disk_path, records, payload, rank=0, ranks=1, fingerprint=self.fingerprint)
-        self._disk_index = DiskIndex(records, self._disk_path, {
+        disk_index = DiskIndex(records, self._disk_path, {
             "record_bytes": record, "ranks": 1, "fingerprint": self.fingerprint.hex(),
             "geometry": bytes(layout.fingerprint()).hex()})
         try:
             self.disk = DiskRecords(spec, self.arena, layout.fingerprint())
         except BaseException:
-            self._disk_index.close()
+            disk_index.close()
             raise
+        self.placement = ArenaPlacement(count, disk=disk_index)
+        self._index = self.placement.index
         return True
 
     @property
@@ -160,10 +167,7 @@ class EmbeddedStore(KVStore):
                 return [False] * len(keys)
             if self._index is None:
                 return [False] * len(keys)
-            present = self._index.exists(keys)
-            if self._disk_index is not None:
-                present = [p or self._disk_index.ready_key(k) for p, k in zip(present, keys)]
-            return present
+            return self.placement.exists(keys)
 
     def _begin_writes(self, op: str, keys: list, todo: list, out: list) -> list:
         """(under the lock) Slots for the keys at ``todo`` not stored yet: present keys are OK
@@ -191,9 +195,10 @@ class EmbeddedStore(KVStore):
                 writes.append((i, slot))
         return writes
 
-    def _write(self, op: str, keys: list, writes: list, out: list, copy) -> None:
+    def _write(self, op: str, keys: list, writes: list, out: list, copy, blocks: bool = False) -> None:
         """Run ``copy(slots, rows)`` for the reserved ``writes`` outside the lock, then make the
-        keys readable, or free their slots if it failed (never raised at run time)."""
+        keys readable, or free their slots if it failed (never raised at run time). Written
+        ``blocks`` of the bound layout go on to the disk tier, when there is one."""
         if not writes:
             return
         rows, slots = [i for i, _ in writes], [s for _, s in writes]
@@ -205,7 +210,10 @@ class EmbeddedStore(KVStore):
             status = Status.ERROR
         with self._lock:
             written = [keys[i] for i in rows]
-            if status is Status.OK and not self._closed:
+            ok = status is Status.OK and not self._closed
+            if blocks:
+                self.placement.saves_done(written, ok)
+            elif ok:
                 self._index.confirm(written)
             else:
                 self._index.abandon(written)
@@ -329,58 +337,61 @@ class EmbeddedStore(KVStore):
         self._write(
             "put", keys, writes, out,
             lambda slots, rows: self.arena.save(slots, groups[rows], block_ids[rows], digest=self.verify),
+            blocks=True,
         )
-        self._write_through([keys[i] for i, _ in writes if out[i] is Status.OK])
+        self._write_through()
         return self._finish("put", keys, out, first)
 
-    def _write_through(self, keys: list) -> None:
-        """The disk tier's copy of ``keys`` just stored (their slots held while it is written)."""
-        if self.disk is None or not keys:
-            return
-        with self._lock:
-            disk, index = self._disk_index, self._index
-            todo = [k for k in dict.fromkeys(keys) if index.ready_key(k) and not disk.ready_key(k) and not disk.writing(k)]
-            slots = index.hold(todo) or []
-            records = disk.reserve(todo)
-        written = [record is not None and self.disk.write(slot, record, key)
-                   for key, slot, record in zip(todo, slots, records)]
-        with self._lock:
-            self._disk_index.confirm([k for k, ok in zip(todo, written) if ok])
-            self._disk_index.abandon([k for k, r, ok in zip(todo, records, written) if r is not None and not ok])
-            self._index.unpin(slots)
-            self._disk_index.flush()
-
-    def _read_from_disk(self, keys: list, groups) -> None:
-        """Keys only the disk tier holds: read into fresh slots (verified), readable in memory
-        again; a record that fails its check is forgotten."""
+    def _write_through(self) -> None:
+        """The disk tier's jobs the placement admitted for the values just stored, written now
+        (their slots held until then)."""
         if self.disk is None:
             return
         with self._lock:
-            disk, index = self._disk_index, self._index
+            jobs = self.placement.take_disk_writes()
+        written = {job_id: all([self.disk.write(*entry) for entry in entries]) for job_id, entries in jobs.items()}
+        with self._lock:
+            self.placement.disk_written({job_id: (1, 0) if ok else (0, 1) for job_id, ok in written.items()})
+            self._end_step()
+
+    def _end_step(self) -> None:
+        """(under the lock) The placement's counts kept, its index's changes persisted."""
+        for name, n in self.placement.take_counts().items():
+            self._disk_counts[name] = self._disk_counts.get(name, 0) + n
+        self.placement.flush()
+
+    def _read_from_disk(self, keys: list, groups) -> None:
+        """Keys only the disk tier holds: read into fresh slots (verified), readable in memory
+        again; a record that fails its check is forgotten. When the placement cannot hold the
+        load (a key being written, no free slot), the disk keys stay misses."""
+        if self.disk is None:
+            return
+        with self._lock:
             wanted = {}
             for key, group in zip(keys, groups):
-                if key not in wanted and not index.ready_key(key) and not index.writing(key) and disk.ready_key(key):
-                    wanted[key] = int(group)
-            if not wanted:
+                wanted.setdefault(key, int(group))
+            present = self.placement.exists(list(wanted))
+            gets = [(key, group, 0) for (key, group), here in zip(wanted.items(), present) if here]
+            if all(self._index.ready_key(key) for key, _, _ in gets):
                 return
-            names = list(wanted)
-            # The load's keys in memory are held while room is made for the others.
-            resident = index.hold([k for k in dict.fromkeys(keys) if index.ready_key(k)]) or []
-            records = disk.hold(names)
-            slots = index.reserve(names)
-            index.unpin(resident)
-        read = [slot is not None and self.disk.read(record, slot, key, wanted[key])
-                for key, record, slot in zip(names, records, slots)]
+            self._loads += 1
+            load = f"load-{self._loads}"
+            if self.placement.place_load(load, [gets]) is None:
+                return
+            reads = self.placement.disk_reads(load)
+        read = [self.disk.read(*entry) for entry in reads]
         with self._lock:
-            self._index.confirm([k for k, ok in zip(names, read) if ok])
-            self._index.abandon([k for k, slot, ok in zip(names, slots, read) if slot is not None and not ok])
-            self._disk_index.unpin(records)
-            self._disk_index.drop_slots([r for r, slot, ok in zip(records, slots, read) if slot is not None and not ok])
-            self._disk_index.flush()
+            self.placement.forget_disk_corrupt([entry[0] for entry, ok in zip(reads, read) if not ok])
+            self.placement.load_done(load, ok=all(read))
+            self._end_step()
 
     def disk_counters(self) -> dict:
-        """The disk tier's bytes written and read and its rejected records (none without one)."""
-        return {} if self.disk is None else dict(self.disk.counters)
+        """The disk tier's bytes written and read, its rejected records and the writes its
+        admission skipped (none without a tier)."""
+        if self.disk is None:
+            return {}
+        with self._lock:
+            return {**self.disk.counters, **self._disk_counts}
 
     def load_blocks(self, keys, groups, block_ids, after=None) -> list:
         """Load ``keys[i]`` into block ``block_ids[i]`` of group ``groups[i]``: one copy from
@@ -440,7 +451,7 @@ class EmbeddedStore(KVStore):
                 self._index.drop_slots(self._index.ready_slots())
         if not already and self.disk is not None:  # the records and their index stay for the next store
             self.disk.close()
-            self._disk_index.close()
+            self.placement.close()
 
 
 # ---- Mooncake master --------------------------------------------------------------------
