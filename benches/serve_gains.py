@@ -5,14 +5,15 @@ own client (``vllm bench serve``), with kvstride, with vLLM's peers, and with no
         [--cells none,kvstride,...] [--workloads multi-turn,no-reuse,rag] [--reps 3] [--json out.json]
 
 Run it from the repository root with the vLLM venv's python, on a quiet machine: every cell
-shares its cores. ``--quick`` (one model, the three main cells, one rep: under 15 minutes on two
+shares its cores. ``--quick`` (one model, the three main cells, two reps: under 15 minutes on two
 cores), the default (both models, every cell, three reps: under an hour), ``--smoke`` (a tiny
 model, kvstride alone, a few requests: what the test tier runs).
 
 Models: random weights of a real family's shape, generated here into ``--cache`` (no download),
-sized so that prefill dominates on a CPU as a real model's does on a GPU: ``llama`` (Llama 3's
-layout: GQA, 8 layers of width 768, about 75 M parameters) and ``gemma3`` (Gemma 3's: five
-sliding-window layers of window 256 to one global, 12 layers). A word-level tokenizer (a word per
+sized so that prefill dominates on a CPU as a real model's does on a GPU (a 1k-token prefill
+takes most of a second, its KV read back from host memory a millisecond): ``llama`` (Llama 3's
+layout: GQA, 8 layers of width 768) and ``gemma3`` (Gemma 3's: five sliding-window layers of
+window 256 to one global, 12 layers of width 640), about 60 M parameters each. A word-level tokenizer (a word per
 token id, so that text and ids round-trip exactly) is written beside each, for the client.
 
 Workloads (text prompts of random words, built here from a seed, the same for every cell; the
@@ -34,7 +35,9 @@ own), ``kvstride-mooncake`` (kvstride on a ``kvstride store serve`` store), ``of
 says so with its error).
 
 Each cell starts ``vllm serve`` (``--enforce-eager``, the block size and KV cache given here,
-every other setting vLLM's default), warms it with one short request, runs each workload through
+``VLLM_CPU_NUM_OF_RESERVED_CPU`` the same for every cell: vLLM's CPU backend otherwise reserves a
+core more for any connector, which on two cores binds the model's threads beside the engine's
+busy loop and costs 30-40 % whichever connector it is; every other setting vLLM's default), warms it with one short request, runs each workload through
 ``vllm bench serve`` (greedy, ``--ignore-eos``, ``--max-concurrency``), scrapes ``/metrics``
 before and after each, and stops it. Cells are interleaved per rep, the order rotated. Figures:
 TTFT median and p99, request and output-token throughput, prompt tokens hit in vLLM's own cache
@@ -186,8 +189,8 @@ def build_workloads(seed: int, size: dict) -> Dict[str, List[dict]]:
 
 
 SIZES = {  # max_model_len: the server's, which bounds its KV cache from below
-    "full": dict(max_model_len=2048, system_tokens=256, conversations=12, turns=4, message_tokens=160, output_tokens=16,
-                 no_reuse_prompts=16, documents=4, document_tokens=1536, question_tokens=32, questions=4),
+    "full": dict(max_model_len=2048, system_tokens=512, conversations=24, turns=4, message_tokens=96, output_tokens=16,
+                 no_reuse_prompts=16, documents=8, document_tokens=1280, question_tokens=32, questions=2),
     "smoke": dict(max_model_len=512, system_tokens=64, conversations=8, turns=2, message_tokens=64, output_tokens=4,
                   no_reuse_prompts=4, documents=3, document_tokens=300, question_tokens=16, questions=2),
 }
@@ -506,7 +509,7 @@ def print_tables(model: str, table: dict, outputs: dict, workloads, reps: int) -
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--quick", action="store_true", help="llama; none, kvstride, mooncake-store; one rep")
+    ap.add_argument("--quick", action="store_true", help="llama; none, kvstride, mooncake-store; two reps")
     ap.add_argument("--smoke", action="store_true", help="a tiny model, kvstride alone, a few requests")
     ap.add_argument("--models", default="llama,gemma3")
     ap.add_argument("--cells", default=",".join(CELLS))
@@ -522,6 +525,8 @@ def main() -> int:
                     help="the generated models (kept between runs)")
     ap.add_argument("--start-timeout", type=float, default=300)
     ap.add_argument("--workload-timeout", type=float, default=1200)
+    ap.add_argument("--reserved-cpus", type=int, default=1,
+                    help="VLLM_CPU_NUM_OF_RESERVED_CPU for every cell (cores kept from the model's threads)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", help="write every figure and verdict here")
     args = ap.parse_args()
@@ -529,7 +534,7 @@ def main() -> int:
         ap.error("--quick and --smoke: one of them")
     size = SIZES["full"]
     if args.quick:
-        args.models, args.reps = "llama", 1
+        args.models, args.reps = "llama", 2
         args.cells = "none,kvstride,mooncake-store"
     if args.smoke:
         args.models, args.reps, args.cells, size = "tiny", 1, "kvstride", SIZES["smoke"]
@@ -543,8 +548,12 @@ def main() -> int:
             ap.error(f"unknown {name} {', '.join(unknown)}; one of {', '.join(known)}")
 
     scratch = Path(tempfile.mkdtemp(prefix="kvstride-serve-gains-"))
+    # vLLM's CPU backend reserves one more core for the engine when any KV connector is set (for
+    # NIXL's P/D), which on a machine of two leaves none and binds the model's threads to every
+    # core, beside the engine's busy loop: every cell reserves the same one core instead.
     env = dict(os.environ, PYTHONHASHSEED="0", MC_LOG_LEVEL="ERROR", VLLM_SERVER_DEV_MODE="0",
-               VLLM_CACHE_ROOT=str(Path(args.cache) / "vllm-cache"))
+               VLLM_CACHE_ROOT=str(Path(args.cache) / "vllm-cache"),
+               VLLM_CPU_NUM_OF_RESERVED_CPU=str(args.reserved_cpus))
     env.pop("MOONCAKE_CONFIG_PATH", None)
     stores = []
     report: dict = {"machine": f"{platform.node()} {os.cpu_count()} cpus", "command": " ".join(sys.argv),
