@@ -26,7 +26,8 @@ KERNEL_TEST_DEPS := "triton==3.7.*"
 # registry torchvision/torchaudio/torchcodec are CUDA builds that break `import vllm` next to the
 # CPU torch, so they are removed last). VLLM=0.34: built for this CPU from the release's sources
 # once (`make vllm-034`: about an hour on two cores; docs/VLLM_BUILD.md), its wheel cached in
-# ~/.cache/kvstride, then installed in minutes.
+# ~/.cache/kvstride, then installed in minutes; its engines start only where Triton's CPU build
+# (triton-cpu, on GitHub) is installed in that venv.
 # `vllm bench serve` reads its custom datasets with pandas (vLLM's "bench" extra), which
 # benches/serve_gains.py and its smoke test in the serve tier drive.
 BENCH_CLIENT_DEPS := "pandas>=2"
@@ -94,6 +95,10 @@ endif
 # The import check first: a broken vLLM install must fail here, not skip the test.
 test-vllm: vllm-setup
 	$(VLLM_PY) -c "import vllm, torch, kvstride.vllm"
+ifneq ($(VLLM),0.32)
+	@$(VLLM_PY) -c "from vllm.triton_utils import HAS_TRITON; import sys; sys.exit(0 if HAS_TRITON else \
+	  'vLLM $(VLLM) on x86 CPUs needs the CPU build of Triton (triton-cpu) in $(VLLM_VENV): see docs/VLLM_BUILD.md')"
+endif
 	VLLM_ENABLE_V1_MULTIPROCESSING=0 $(VLLM_PY) -m pytest -q -p no:logging tests/test_vllm.py \
 	  tests/test_vllm_stats.py tests/test_vllm_checks.py tests/test_vllm_surface.py tests/test_vllm_lifecycle.py tests/test_vllm_guards.py tests/test_vllm_scheduler.py tests/test_vllm_secret.py \
 	  tests/test_vllm_staging.py tests/test_vllm_identity.py tests/test_vllm_disk.py tests/test_vllm_bindings.py \

@@ -561,7 +561,8 @@ def main() -> int:
                                              capture_output=True, text=True).stdout.strip(), "models": {}}
     failed = False
     try:
-        from vllm_connectors import BareMaster, StoreServer  # the Mooncake stores vllm_connectors.py runs
+        # The Mooncake stores benches/vllm_connectors.py runs.
+        from vllm_connectors import BareMaster, StoreServer
 
         workload_requests = build_workloads(args.seed, size)
         working_set = working_set_tokens(workload_requests, size)

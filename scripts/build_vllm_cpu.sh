@@ -32,6 +32,15 @@ esac
 mkdir -p "$cache"
 log() { echo "build_vllm_cpu: $*" >&2; }
 
+# vLLM's CPU kernels include libnuma's header (Debian: libnuma-dev) and link it.
+if [ ! -f /usr/include/numa.h ]; then
+  if [ "$(id -u)" = 0 ]; then
+    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends libnuma-dev >/dev/null
+  else
+    log "vLLM's CPU build needs libnuma's header: sudo apt-get install libnuma-dev"; exit 1
+  fi
+fi
+
 fetch() {  # URL FILE CHECK-COMMAND DIGEST
   local url=$1 file=$2 check=$3 digest=$4
   if [ ! -f "$file" ]; then
@@ -52,14 +61,22 @@ if [ -z "$wheel" ]; then
   fetch "http://deb.debian.org/debian/pool/main/o/onednn/$onednn_tarball" \
     "$cache/$onednn_tarball" md5sum "$onednn_md5"
 
+  # The sources and their build tree stay until a wheel is built: a failed build resumes.
   src="$cache/src"
-  rm -rf "$src" && mkdir -p "$src"
-  tar -xzf "$sdist" -C "$src" --strip-components=1
-  # Debian 12's g++ is 12.2; vLLM's CMake asks for 12.3 (docs/VLLM_BUILD.md: what 12.2 compiles).
-  sed -i 's/CMAKE_CXX_COMPILER_VERSION VERSION_GREATER_EQUAL 12.3/CMAKE_CXX_COMPILER_VERSION VERSION_GREATER_EQUAL 12.2/' \
-    "$src/cmake/cpu_extension.cmake"
-  mkdir -p "$src/onednn"
-  tar -xJf "$cache/$onednn_tarball" -C "$src/onednn" --strip-components=1
+  if [ ! -f "$src/.extracted" ]; then
+    rm -rf "$src" && mkdir -p "$src"
+    tar -xzf "$sdist" -C "$src" --strip-components=1
+    # Debian 12's g++ is 12.2; vLLM's CMake asks for 12.3 (docs/VLLM_BUILD.md: what 12.2 compiles).
+    sed -i 's/CMAKE_CXX_COMPILER_VERSION VERSION_GREATER_EQUAL 12.3/CMAKE_CXX_COMPILER_VERSION VERSION_GREATER_EQUAL 12.2/' \
+      "$src/cmake/cpu_extension.cmake"
+    # g++ 12.2's one crash on vLLM's kernels (an internal compiler error on a lambda's array bound
+    # naming a local constexpr of its template function): the constant made static.
+    sed -i 's/^  constexpr int64_t kBLOCK_H_MAX = 16;$/  static constexpr int64_t kBLOCK_H_MAX = 16;/' \
+      "$src/csrc/cpu/sgl-kernels/flash_mla.cpp"
+    mkdir -p "$src/onednn"
+    tar -xJf "$cache/$onednn_tarball" -C "$src/onednn" --strip-components=1
+    touch "$src/.extracted"
+  fi
 
   build_venv="$cache/build-venv"
   [ -x "$build_venv/bin/python" ] || "$python" -m venv "$build_venv"
