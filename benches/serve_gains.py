@@ -3,6 +3,7 @@ own client (``vllm bench serve``), with kvstride, with vLLM's peers, and with no
 
     .venv-vllm/bin/python benches/serve_gains.py [--quick | --smoke] [--models llama,gemma3]
         [--cells none,kvstride,...] [--workloads multi-turn,no-reuse,rag] [--reps 3] [--json out.json]
+        [--disk-path FOLDER] [--slow-disk-path FOLDER]
 
 Run it from the repository root with the vLLM venv's python, on a quiet machine: every cell
 shares its cores. ``--quick`` (one model, the three main cells, two reps: under 15 minutes on two
@@ -22,13 +23,17 @@ cannot keep it):
 
 - ``multi-turn``: conversations over a shared system prompt, each turn's prompt the whole
   conversation so far plus a new message; turns of all conversations interleaved (a turn is
-  sent after the conversation's previous one ended), as a chat service sees them;
+  sent after the conversation's previous one ended), as a chat service sees them; by the last
+  turn the history outweighs the system prompt (which vLLM's own cache keeps) 2.7 to 1;
 - ``no-reuse``: prompts that share nothing (the cost of a connector when hits are rare);
-- ``rag``: a few long documents, each asked short questions in turn.
+- ``rag``: long documents, each asked short questions in turn (twice as many for the hybrid,
+  whose sliding-window layers vLLM's cache keeps for the last window only).
 
 Cells: ``none`` (vLLM alone, its own prefix cache on), ``kvstride`` (the connector's defaults:
 the embedded store, 1 GiB per rank), ``kvstride-disk`` (a memory tier of ``--disk-memory``
-over a disk tier in ``--cache``: hits from both), ``mooncake-store`` (vLLM's
+over a disk tier on an empty folder of its own in ``--disk-path``: hits from both),
+``kvstride-slow-disk`` (the same in ``--slow-disk-path``: ``benches/slow_disk.sh --serve`` puts
+it on a throttled device, beside kvstride-disk on an unthrottled one), ``mooncake-store`` (vLLM's
 MooncakeStoreConnector in its default mode: the engine mounts its own segment on a master of its
 own), ``kvstride-mooncake`` (kvstride on a ``kvstride store serve`` store), ``offloading``
 (vLLM's OffloadingConnector, where the build runs it: vLLM's CPU build does not, and the table
@@ -42,6 +47,8 @@ busy loop and costs 30-40 % whichever connector it is; every other setting vLLM'
 before and after each, and stops it. Cells are interleaved per rep, the order rotated. Figures:
 TTFT median and p99, request and output-token throughput, prompt tokens hit in vLLM's own cache
 and from the connector (and read from disk), preemptions; medians over reps with their spread;
+for kvstride's cells where the step went (its hooks' time per step on the scheduler's thread and
+in the worker's step, its store's load and save seconds, lookups: kvstride's own ``/metrics``);
 each request's output text compared with the ``none`` cell's of the same rep (greedy), a
 difference classified by whether two ``none`` reps differ on that request too (vLLM's own batch
 arithmetic) or only the connector's run does. The goals (ratios within one run) are checked and
@@ -70,9 +77,15 @@ from typing import Dict, List, Optional
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benches"))
+sys.path.insert(0, str(ROOT / "tests"))
+
+import vllm_harness as harness  # noqa: E402  (the serve tier's /health and /metrics helpers)
+from vllm_connectors import BareMaster, StoreServer, last_error  # noqa: E402  (the Mooncake stores it runs)
 
 CELLS = ("none", "kvstride", "kvstride-disk", "mooncake-store", "kvstride-mooncake", "offloading")
-CONNECTOR_CELLS = CELLS[1:]
+SLOW_DISK_CELL = "kvstride-slow-disk"  # kvstride-disk with its folder in --slow-disk-path
+CONNECTOR_CELLS = CELLS[1:] + (SLOW_DISK_CELL,)
+DISK_CELLS = ("kvstride-disk", SLOW_DISK_CELL)
 WORKLOADS = ("multi-turn", "no-reuse", "rag")
 REUSING = ("multi-turn", "rag")  # where a connector that never hits is broken
 PEER = "mooncake-store"
@@ -105,6 +118,10 @@ MODELS = {
         params=dict(hidden_size=640, intermediate_size=2048, num_hidden_layers=12, num_attention_heads=8,
                     num_key_value_heads=2, head_dim=80, sliding_window=256, sliding_window_pattern=6,
                     query_pre_attn_scalar=80, pad_token_id=3),
+        # vLLM's own cache keeps a document's sliding-window layers for the last window alone, so
+        # it holds 2.7x more of them than of a dense model's: twice the documents keep RAG's
+        # working set beyond it (asked in turn, they then miss in its LRU as the dense ones do).
+        size=dict(documents=16),
     ),
     "tiny": dict(  # --smoke: the test models' size
         architecture="LlamaForCausalLM", config="LlamaConfig",
@@ -189,7 +206,7 @@ def build_workloads(seed: int, size: dict) -> Dict[str, List[dict]]:
 
 
 SIZES = {  # max_model_len: the server's, which bounds its KV cache from below
-    "full": dict(max_model_len=2048, system_tokens=512, conversations=24, turns=4, message_tokens=96, output_tokens=16,
+    "full": dict(max_model_len=2048, system_tokens=256, conversations=24, turns=4, message_tokens=160, output_tokens=16,
                  no_reuse_prompts=16, documents=8, document_tokens=1280, question_tokens=32, questions=2),
     "smoke": dict(max_model_len=512, system_tokens=64, conversations=8, turns=2, message_tokens=64, output_tokens=4,
                   no_reuse_prompts=4, documents=3, document_tokens=300, question_tokens=16, questions=2),
@@ -228,8 +245,8 @@ def vllm_cli(command: str) -> List[str]:
             "add_cli_args(parser); main(parser.parse_args(sys.argv[1:]))"]
 
 
-def connector_json(cell: str, scratch: Path, args) -> Optional[dict]:
-    """``--kv-transfer-config`` of ``cell`` (None: no connector)."""
+def connector_json(cell: str, disk: Optional[Path], args) -> Optional[dict]:
+    """``--kv-transfer-config`` of ``cell`` (None: no connector); ``disk``: a disk cell's folder."""
     def config(connector: str, extra: dict, module: Optional[str] = None) -> dict:
         out = {"kv_connector": connector, "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
                "kv_connector_extra_config": extra}
@@ -241,9 +258,7 @@ def connector_json(cell: str, scratch: Path, args) -> Optional[dict]:
         return None
     if cell == "kvstride":
         return config("KVStrideConnector", {}, "kvstride.vllm")
-    if cell == "kvstride-disk":
-        disk = scratch / "disk-tier"
-        disk.mkdir(mode=0o700, exist_ok=True)
+    if cell in DISK_CELLS:
         return config("KVStrideConnector", {"store_bytes": args.disk_memory, "disk_path": str(disk),
                                             "disk_bytes": args.disk_bytes}, "kvstride.vllm")
     if cell == "kvstride-mooncake":
@@ -258,7 +273,8 @@ def connector_json(cell: str, scratch: Path, args) -> Optional[dict]:
 class Server:
     """``vllm serve`` of one cell on a loopback port, its log in ``scratch``."""
 
-    def __init__(self, model: str, path: str, cell: str, scratch: Path, args, env: dict) -> None:
+    def __init__(self, model: str, path: str, cell: str, transfer: Optional[dict], scratch: Path, args,
+                 env: dict) -> None:
         self.model_name, self.env = path, env
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
@@ -269,25 +285,13 @@ class Server:
                 "--enforce-eager", "--seed", "0", "--max-model-len", str(args.max_model_len),
                 "--block-size", str(args.block_size), "--kv-cache-memory-bytes", str(kv_bytes),
                 "--max-num-seqs", str(args.concurrency)]
-        transfer = connector_json(cell, scratch, args)
         if transfer is not None:
             argv += ["--kv-transfer-config", json.dumps(transfer)]
         with open(self.log_path, "w") as log:
             self.proc = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
 
     def wait_healthy(self, timeout: float) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"vllm serve exited with {self.proc.returncode}: {last_error(self.log_path)}")
-            try:
-                with urllib.request.urlopen(self.url + "/health", timeout=2) as r:
-                    if r.status == 200:
-                        return
-            except (urllib.error.URLError, OSError):
-                pass
-            time.sleep(0.5)
-        raise RuntimeError(f"vllm serve not healthy after {timeout:.0f} s: {last_error(self.log_path)}")
+        harness.wait_healthy(self.proc, self.url, timeout, lambda: last_error(self.log_path))
 
     def complete(self, prompt: str, max_tokens: int) -> None:
         body = json.dumps({"model": self.model_name, "prompt": prompt, "max_tokens": max_tokens,
@@ -300,14 +304,7 @@ class Server:
     def metrics(self) -> Dict[str, float]:
         """``/metrics``: each series summed over its labels."""
         with urllib.request.urlopen(self.url + "/metrics", timeout=60) as r:
-            text = r.read().decode()
-        sums: Dict[str, float] = {}
-        for line in text.splitlines():
-            if line and not line.startswith("#"):
-                series, _, value = line.rpartition(" ")
-                name = series.split("{", 1)[0]
-                sums[name] = sums.get(name, 0.0) + float(value)
-        return sums
+            return harness.metric_sums_of(r.read().decode())
 
     def stop(self) -> None:
         if self.proc.poll() is None:
@@ -323,19 +320,6 @@ class Server:
         self.proc.wait(10)
 
 
-def last_error(log_path: Path) -> str:
-    """The most telling line of a failed server's log."""
-    try:
-        lines = log_path.read_text(errors="replace").splitlines()
-    except OSError:
-        return "(no log)"
-    # The root cause, not vLLM's "initialization failed" that follows it.
-    telling = [line for line in lines if ("Error" in line or "error" in line) and "initialization failed" not in line]
-    if telling:
-        return telling[-1].strip()[-400:]
-    return (lines[-1] if lines else "(empty log)")[-400:]
-
-
 # ---- one cell ----------------------------------------------------------------------------------
 
 #: /metrics series kept per workload (deltas): vLLM's own and kvstride's.
@@ -346,6 +330,13 @@ SERIES = {
     "preemptions": "vllm:num_preemptions_total",
     "disk_bytes_read": "vllm:kvstride_disk_bytes_read_total",
     "disk_writes_skipped": "vllm:kvstride_disk_writes_skipped_total",
+    # Where a connector's time goes: vLLM's steps, and kvstride's share of them.
+    "steps": "vllm:iteration_tokens_total_count",
+    "lookups": "vllm:kvstride_lookups_total",
+    "scheduler_s": "vllm:kvstride_scheduler_seconds_total",
+    "worker_step_s": "vllm:kvstride_worker_step_seconds_total",
+    "load_s": "vllm:kvstride_load_seconds_total",
+    "save_s": "vllm:kvstride_save_seconds_total",
 }
 
 
@@ -368,9 +359,14 @@ def bench_client(server: Server, path: str, dataset: Path, count: int, result_di
 
 def run_cell(model: str, path: str, cell: str, rep: int, datasets: Dict[str, tuple], scratch: Path, args,
              env: dict) -> dict:
-    """Start the cell's server, run every workload, stop it: per workload its figures."""
+    """Start the cell's server, run every workload, stop it: per workload its figures. A disk
+    cell starts on an empty folder of its own, removed after it."""
     started = time.monotonic()
-    server = Server(model, path, cell, scratch, args, env)
+    disk = None
+    if cell in DISK_CELLS:
+        base = args.slow_disk_path if cell == SLOW_DISK_CELL else (args.disk_path or scratch)
+        disk = Path(tempfile.mkdtemp(prefix=f"kvstride-disk-{model}-{rep}-", dir=base))  # mode 0700
+    server = Server(model, path, cell, connector_json(cell, disk, args), scratch, args, env)
     try:
         server.wait_healthy(args.start_timeout)
         server.complete(" ".join(f"w{i}" for i in range(4, 36)), 2)  # warm: the first request's one-off costs
@@ -385,6 +381,8 @@ def run_cell(model: str, path: str, cell: str, rep: int, datasets: Dict[str, tup
         return {"error": str(err)[-600:], "log": str(server.log_path)}
     finally:
         server.stop()
+        if disk is not None:
+            shutil.rmtree(disk, ignore_errors=True)
 
 
 def figures(result: dict, before: Dict[str, float], after: Dict[str, float]) -> dict:
@@ -507,6 +505,46 @@ def print_tables(model: str, table: dict, outputs: dict, workloads, reps: int) -
                   f"{row['disk_bytes_read']['median'] / 2**20:>9.1f} {row['preemptions']['median']:>8.0f} {same:>24}")
 
 
+def write_datasets(model: str, size: dict, workloads: List[str], scratch: Path, args) -> Dict[str, tuple]:
+    """The model's workloads as ``vllm bench serve`` datasets in ``scratch``: per workload its
+    file and request count; sets ``args.kv_cache_tokens`` and ``args.max_model_len`` for its servers."""
+    size = {**size, **MODELS[model].get("size", {})}
+    requests = build_workloads(args.seed, size)
+    working_set = working_set_tokens(requests, size)
+    # At least a longest request and a block per sequence more: vLLM refuses to start below.
+    args.kv_cache_tokens = max(int(working_set * args.kv_cache_fraction),
+                               size["max_model_len"] + args.concurrency * args.block_size)
+    args.max_model_len = size["max_model_len"]
+    datasets = {}
+    for workload in workloads:
+        dataset = scratch / f"{model}-{workload}.jsonl"
+        dataset.write_text("".join(json.dumps(r) + "\n" for r in requests[workload]))
+        datasets[workload] = (dataset, len(requests[workload]))
+    print(f"{model}: {', '.join(f'{w} {n} requests' for w, (_, n) in datasets.items())}; vLLM's KV cache "
+          f"{args.kv_cache_tokens} tokens (multi-turn working set {working_set})", flush=True)
+    return datasets
+
+
+def print_breakdown(table: dict, workloads) -> None:
+    """Where kvstride's cells spent vLLM's step (medians): its hooks on the scheduler's thread
+    and in the worker's step per step, the store's gets and puts (on kvstride's own threads),
+    lookups; and the hooks' share of the workload's wall time."""
+    rows = [(cell, w, rows[w]) for cell, rows in table.items() if "error" not in rows for w in workloads
+            if rows[w]["lookups"]["median"]]
+    if not rows:
+        return
+    print(f"\n{'cell':18} {'workload':11} {'steps':>7} {'sched ms/step':>14} {'worker ms/step':>15} "
+          f"{'load s':>7} {'save s':>7} {'lookups':>8} {'hooks/wall':>11}")
+    for cell, workload, row in rows:
+        med = {name: row[name]["median"] or 0.0 for name in ("steps", "scheduler_s", "worker_step_s", "load_s",
+                                                             "save_s", "lookups", "duration_s")}
+        steps = max(med["steps"], 1.0)
+        share = (med["scheduler_s"] + med["worker_step_s"]) / med["duration_s"] if med["duration_s"] else 0.0
+        print(f"{cell:18} {workload:11} {med['steps']:>7.0f} {1e3 * med['scheduler_s'] / steps:>14.3f} "
+              f"{1e3 * med['worker_step_s'] / steps:>15.3f} {med['load_s']:>7.2f} {med['save_s']:>7.2f} "
+              f"{med['lookups']:>8.0f} {share:>10.1%}")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="llama; none, kvstride, mooncake-store; two reps")
@@ -521,6 +559,9 @@ def main() -> int:
                     help="vLLM's KV cache as a fraction of the multi-turn working set")
     ap.add_argument("--disk-memory", default="32MiB", help="kvstride-disk's memory tier")
     ap.add_argument("--disk-bytes", default="1GiB", help="kvstride-disk's disk tier")
+    ap.add_argument("--disk-path", help="where kvstride-disk makes its folder (default: the run's scratch folder)")
+    ap.add_argument("--slow-disk-path", help=f"adds the cell {SLOW_DISK_CELL}: kvstride-disk with its folder here "
+                    "(benches/slow_disk.sh --serve runs it on a throttled device)")
     ap.add_argument("--cache", default=os.path.expanduser("~/.cache/kvstride/serve-gains"),
                     help="the generated models (kept between runs)")
     ap.add_argument("--start-timeout", type=float, default=300)
@@ -541,11 +582,19 @@ def main() -> int:
         args.concurrency = 2
     models = args.models.split(",")
     cells = args.cells.split(",")
+    if args.slow_disk_path and SLOW_DISK_CELL not in cells:
+        cells.append(SLOW_DISK_CELL)
     workloads = args.workloads.split(",")
-    for name, known, given in (("model", MODELS, models), ("cell", CELLS, cells), ("workload", WORKLOADS, workloads)):
+    known_cells = CELLS + (SLOW_DISK_CELL,) * bool(args.slow_disk_path)
+    for name, known, given in (("model", MODELS, models), ("cell", known_cells, cells),
+                               ("workload", WORKLOADS, workloads)):
         unknown = [g for g in given if g not in known]
         if unknown:
             ap.error(f"unknown {name} {', '.join(unknown)}; one of {', '.join(known)}")
+    for option in ("disk_path", "slow_disk_path"):
+        folder = getattr(args, option)
+        if folder and not os.path.isdir(folder):
+            ap.error(f"--{option.replace('_', '-')} {folder}: no such folder; make it first")
 
     scratch = Path(tempfile.mkdtemp(prefix="kvstride-serve-gains-"))
     # vLLM's CPU backend reserves one more core for the engine when any KV connector is set (for
@@ -561,20 +610,6 @@ def main() -> int:
                                              capture_output=True, text=True).stdout.strip(), "models": {}}
     failed = False
     try:
-        # The Mooncake stores benches/vllm_connectors.py runs.
-        from vllm_connectors import BareMaster, StoreServer
-
-        workload_requests = build_workloads(args.seed, size)
-        working_set = working_set_tokens(workload_requests, size)
-        # At least a longest request and a block per sequence more: vLLM refuses to start below.
-        args.kv_cache_tokens = max(int(working_set * args.kv_cache_fraction),
-                                   size["max_model_len"] + args.concurrency * args.block_size)
-        args.max_model_len = size["max_model_len"]
-        datasets = {}
-        for workload in workloads:
-            dataset = scratch / f"{workload}.jsonl"
-            dataset.write_text("".join(json.dumps(r) + "\n" for r in workload_requests[workload]))
-            datasets[workload] = (dataset, len(workload_requests[workload]))
         cell_env = {cell: env for cell in cells}
         if "kvstride-mooncake" in cells:
             store = StoreServer(str(scratch), "4GiB")
@@ -584,11 +619,9 @@ def main() -> int:
             master = BareMaster(str(scratch))
             stores.append(master)
             cell_env[PEER] = dict(env, MOONCAKE_CONFIG_PATH=master.config_path)
-        print(f"workloads: {', '.join(f'{w} {n} requests' for w, (_, n) in datasets.items())}; "
-              f"vLLM's KV cache {args.kv_cache_tokens} tokens (multi-turn working set "
-              f"{working_set})", flush=True)
         for model in models:
             path = build_model(model, Path(args.cache))
+            datasets = write_datasets(model, size, workloads, scratch, args)
             runs: Dict[str, List[dict]] = {cell: [] for cell in cells}
             for rep in range(args.reps):
                 order = cells[rep % len(cells):] + cells[: rep % len(cells)]
@@ -604,6 +637,7 @@ def main() -> int:
             verdicts = check_goals(table, workloads)
             missing = missing_hits(table, workloads)
             print_tables(model, table, outputs, workloads, args.reps)
+            print_breakdown(table, workloads)
             for v in verdicts:
                 print(f"goal {v['workload']} {v['figure']} kvstride/{v['over']} = {v['ratio']} ({v['goal']}): "
                       f"{'met' if v['met'] else 'MISSED'}")

@@ -556,11 +556,17 @@ class BareMaster:
         self.master.stop()
 
 
-def last_error(log_path: str) -> str:
-    """The most telling line of a failed child's log."""
-    lines = [line.strip() for line in Path(log_path).read_text(errors="replace").splitlines() if line.strip()]
+def last_error(log_path) -> str:
+    """The most telling line of a failed child's or server's log: its last error, not vLLM's
+    "initialization failed" that follows the root cause."""
+    try:
+        text = Path(log_path).read_text(errors="replace")
+    except OSError:
+        return "(no log)"
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
     for line in reversed(lines):
-        if any(w in line for w in ("Error", "Exception", "error:")) and not line.startswith("File "):
+        if (any(w in line for w in ("Error", "Exception", "error:")) and not line.startswith("File ")
+                and "initialization failed" not in line):
             return line[-400:]
     return lines[-1][-400:] if lines else "no output"
 

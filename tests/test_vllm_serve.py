@@ -33,7 +33,6 @@ import subprocess
 import sys
 import textwrap
 import time
-import urllib.error
 import urllib.request
 from contextlib import contextmanager
 from pathlib import Path
@@ -345,17 +344,7 @@ class Server:
         return raw if path == "/metrics" else json.loads(raw or "null")
 
     def wait_healthy(self, timeout: float = 300) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            assert self.proc.poll() is None, f"server exited with {self.proc.returncode}: {_tail(self.log_path)}"
-            try:
-                with urllib.request.urlopen(self.url + "/health", timeout=2) as r:
-                    if r.status == 200:
-                        return
-            except (urllib.error.URLError, OSError):
-                pass
-            time.sleep(0.25)
-        raise AssertionError(f"server not healthy after {timeout:.0f} s: {_tail(self.log_path)}")
+        harness.wait_healthy(self.proc, self.url, timeout, lambda: _tail(self.log_path))
 
     def complete(self, prompt: List[int]) -> harness.Output:
         """A token-id prompt, greedy (``harness.generate``'s sampling); token ids and the
@@ -383,13 +372,7 @@ class Server:
 
     def metrics(self) -> Dict[str, float]:
         """``GET /metrics``: each series' value summed over its labels."""
-        sums: Dict[str, float] = {}
-        for line in self._call("/metrics").splitlines():
-            if line and not line.startswith("#"):
-                series, _, value = line.rpartition(" ")
-                name = series.split("{", 1)[0]
-                sums[name] = sums.get(name, 0.0) + float(value)
-        return sums
+        return harness.metric_sums_of(self._call("/metrics"))
 
 
 @contextmanager
@@ -457,6 +440,9 @@ def test_server_hits_and_matches_plain(workdir, base_env, model_dirs, reference,
     assert kvstride["vllm:kvstride_lookups_total"] >= 2, kvstride
     _assert_hits(hits, name, kvstride)
     assert kvstride["vllm:kvstride_bytes_loaded_total"] > 0, kvstride
+    # What the connector cost vLLM's threads, from the scheduler's process and the worker's.
+    assert kvstride.get("vllm:kvstride_scheduler_seconds_total", 0) > 0, kvstride
+    assert kvstride.get("vllm:kvstride_worker_step_seconds_total", 0) > 0, kvstride
     assert kvstride.get("vllm:kvstride_failures_total", 0) == 0, kvstride
     assert _mismatches(got, reference[name]) == []
 

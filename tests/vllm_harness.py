@@ -12,6 +12,8 @@ from __future__ import annotations
 import gc
 import json
 import time
+import urllib.error
+import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Tuple
@@ -421,6 +423,34 @@ def mismatches(got: Dict[str, Output], want: Dict[str, Output], tol: float = 1e-
         if worst > tol:
             bad.append(f"{name}: logprobs differ by up to {worst:.3g}")
     return bad
+
+
+def wait_healthy(proc, url: str, timeout: float, log_line) -> None:
+    """Poll a ``vllm serve`` at ``url`` until ``/health`` answers 200; raises RuntimeError with
+    ``log_line()`` (what its log says) when the process exits or ``timeout`` passes first."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"vllm serve exited with {proc.returncode}: {log_line()}")
+        try:
+            with urllib.request.urlopen(url + "/health", timeout=2) as r:
+                if r.status == 200:
+                    return
+        except (urllib.error.URLError, OSError):
+            pass
+        time.sleep(0.25)
+    raise RuntimeError(f"vllm serve not healthy after {timeout:.0f} s: {log_line()}")
+
+
+def metric_sums_of(exposition: str) -> Dict[str, float]:
+    """A ``/metrics`` page: each series' value summed over its labels."""
+    sums: Dict[str, float] = {}
+    for line in exposition.splitlines():
+        if line and not line.startswith("#"):
+            series, _, value = line.rpartition(" ")
+            name = series.split("{", 1)[0]
+            sums[name] = sums.get(name, 0.0) + float(value)
+    return sums
 
 
 def close(llm) -> None:

@@ -43,6 +43,8 @@ Configuration that cannot work raises ``ValueError`` at construction.
 
 from __future__ import annotations
 
+import functools
+import time
 from typing import Optional, Tuple, Union
 
 from kvstride.connector_checks import check_extra_on_this_host
@@ -61,6 +63,27 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 __all__ = ["KVStrideConnector"]
+
+SCHEDULER_HOOKS, WORKER_HOOKS = "scheduler_hooks", "worker_hooks"
+
+
+def _timed(hooks: str):
+    """Add the hook's time to the side's ``hooks`` seconds: what the connector costs vLLM's
+    scheduler or worker thread, reported as ``scheduler_seconds`` / ``worker_step_seconds``."""
+
+    def wrap(method):
+        @functools.wraps(method)
+        def timed(self, *args, **kwargs):
+            started = time.perf_counter()
+            try:
+                return method(self, *args, **kwargs)
+            finally:
+                self.side.add_seconds(hooks, time.perf_counter() - started)
+
+        return timed
+
+    return wrap
+
 
 class KVStrideConnector(KVConnectorBase_V1, SupportsHMA):
     """A vLLM KV connector over :class:`kvstride.engine.OffloadEngine` (see the module
@@ -126,30 +149,39 @@ class KVStrideConnector(KVConnectorBase_V1, SupportsHMA):
 
     # ---- scheduler side ------------------------------------------------------------------------
 
+    @_timed(SCHEDULER_HOOKS)
     def reset_cache(self) -> Optional[bool]:
         return self.side.reset_cache()
 
+    @_timed(SCHEDULER_HOOKS)
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int):
         return self.side.get_num_new_matched_tokens(request, num_computed_tokens)
 
+    @_timed(SCHEDULER_HOOKS)
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
         self.side.update_state_after_alloc(request, blocks, num_external_tokens)
 
+    @_timed(SCHEDULER_HOOKS)
     def update_connector_output(self, connector_output) -> None:
         self.side.update_connector_output(connector_output)
 
+    @_timed(SCHEDULER_HOOKS)
     def on_new_request(self, request) -> None:
         self.side.on_new_request(request)
 
+    @_timed(SCHEDULER_HOOKS)
     def build_connector_meta(self, scheduler_output) -> KVStrideMetadata:
         return self.side.build_connector_meta(scheduler_output)
 
+    @_timed(SCHEDULER_HOOKS)
     def register_finished_partial_tail(self, request, block_ids, partial_tail_offloads) -> bool:
         return self.side.register_finished_partial_tail(request, block_ids, partial_tail_offloads)
 
+    @_timed(SCHEDULER_HOOKS)
     def request_finished_all_groups(self, request, block_ids) -> Tuple[bool, Optional[dict]]:
         return self.side.request_finished_all_groups(request, block_ids)
 
+    @_timed(SCHEDULER_HOOKS)
     def request_finished(self, request, block_ids) -> Tuple[bool, Optional[dict]]:
         return self.side.request_finished_all_groups(request, (block_ids,))
 
@@ -165,6 +197,7 @@ class KVStrideConnector(KVConnectorBase_V1, SupportsHMA):
     def register_kv_caches(self, kv_caches) -> None:
         self.side.register_kv_caches(kv_caches)
 
+    @_timed(WORKER_HOOKS)
     def start_load_kv(self, forward_context, **kwargs) -> None:
         self.side.start_load_kv(self._step_metadata())
 
@@ -174,12 +207,15 @@ class KVStrideConnector(KVConnectorBase_V1, SupportsHMA):
     def save_kv_layer(self, layer_name: str, kv_layer, attn_metadata, **kwargs) -> None:
         return  # whole blocks are saved after the forward (wait_for_save)
 
+    @_timed(WORKER_HOOKS)
     def wait_for_save(self) -> None:
         self.side.wait_for_save(self._step_metadata())
 
+    @_timed(WORKER_HOOKS)
     def handle_preemptions(self, kv_connector_metadata) -> None:
         self.side.handle_preemptions(kv_connector_metadata)
 
+    @_timed(WORKER_HOOKS)
     def get_transfer_results(self, finished_req_ids) -> KVConnectorTransferResults:
         return self.side.get_transfer_results(self._step_metadata(), finished_req_ids)
 
@@ -187,6 +223,7 @@ class KVStrideConnector(KVConnectorBase_V1, SupportsHMA):
         results = self.get_transfer_results(finished_req_ids)
         return results.finished_sending or None, results.finished_recving or None
 
+    @_timed(WORKER_HOOKS)
     def build_connector_worker_meta(self) -> Optional[KVStrideWorkerMetadata]:
         return self.side.build_connector_worker_meta()
 

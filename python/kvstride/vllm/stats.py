@@ -61,6 +61,9 @@ SHOWN_WHEN_MOVED = {
 }
 #: Stats name -> the engine operation whose total seconds it is the delta of (store calls).
 TIMED = {"load_seconds": "get", "save_seconds": "put"}
+#: The same for the connector's hooks on vLLM's scheduler thread and in its workers' steps
+#: (every rank's): what kvstride costs the step; in the log line only when it moved.
+HOOK_SECONDS = {"scheduler_seconds": "scheduler_hooks", "worker_step_seconds": "worker_hooks"}
 #: Failures are "failed:<engine counter>": every store outcome of a get or put but these...
 SUCCESSES = frozenset({"get_ok", "put_ok", "put_skipped_present"})
 #: ...and these engine counters.
@@ -82,7 +85,7 @@ def _is_failure(counter: str) -> bool:
 @dataclass
 class KVStrideStats(KVConnectorStats):
     """Deltas of an engine's counters over a step or a log interval: ``data`` maps names of
-    :data:`COUNTED`, :data:`TIMED` and ``"failed:<engine counter>"`` to numbers (plain str
+    :data:`COUNTED`, :data:`TIMED`, :data:`HOOK_SECONDS` and ``"failed:<engine counter>"`` to numbers (plain str
     keys and numbers: pickled from the workers, msgpack-encoded to the front end)."""
 
     def reset(self) -> None:
@@ -105,6 +108,7 @@ class KVStrideStats(KVConnectorStats):
         if summary["lookup_tokens"]:
             summary["lookup_hit_rate"] = round(summary["lookup_hit_tokens"] / summary["lookup_tokens"], 3)
         summary.update((name, round(self.data.get(name, 0.0), 3)) for name in TIMED)
+        summary.update((name, round(self.data[name], 3)) for name in HOOK_SECONDS if self.data.get(name))
         summary.update(sorted((name, n) for name, n in self.data.items() if name.startswith(FAILED)))
         return summary
 
@@ -120,7 +124,7 @@ def stats_delta(
     # Snapshots in one C call each: the engine's lanes keep counting on other threads.
     counters, seconds = dict(counters), dict(seconds)
     totals: Dict[str, int | float] = {name: counters.get(counter, 0) for name, counter in {**COUNTED, **SHOWN_WHEN_MOVED}.items()}
-    totals.update((name, seconds.get(operation, 0.0)) for name, operation in TIMED.items())
+    totals.update((name, seconds.get(operation, 0.0)) for name, operation in {**TIMED, **HOOK_SECONDS}.items())
     totals.update((FAILED + counter, n) for counter, n in counters.items() if _is_failure(counter))
     data: Dict[str, int | float] = {}
     for name, total in totals.items():
@@ -145,6 +149,15 @@ SERIES = {
     "bytes_stored": ("vllm:kvstride_bytes_stored", "Bytes saved from the KV cache to the kvstride store."),
     "load_seconds": ("vllm:kvstride_load_seconds", "Seconds spent in kvstride store gets."),
     "save_seconds": ("vllm:kvstride_save_seconds", "Seconds spent in kvstride store puts."),
+    "scheduler_seconds": (
+        "vllm:kvstride_scheduler_seconds",
+        "Seconds the scheduler's thread spent in the kvstride connector (lookups, metadata, finished requests).",
+    ),
+    "worker_step_seconds": (
+        "vllm:kvstride_worker_step_seconds",
+        "Seconds the workers' steps spent in the kvstride connector (load starts, save waits, results), "
+        "summed over ranks.",
+    ),
     "puts_skipped_present": (
         "vllm:kvstride_puts_skipped_present",
         "Blocks not put because the kvstride store already had them.",
@@ -259,7 +272,7 @@ class Outcomes:
             except Exception as err:
                 log.warning("kvstride engine shutdown failed: %r", err)
 
-    def _add_seconds(self, operation: str, seconds: float) -> None:
+    def add_seconds(self, operation: str, seconds: float) -> None:
         with self._counters_lock:
             self._seconds[operation] += seconds
 
