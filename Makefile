@@ -99,14 +99,14 @@ ifneq ($(VLLM),0.32)
 	@$(VLLM_PY) -c "from vllm.triton_utils import HAS_TRITON; import sys; sys.exit(0 if HAS_TRITON else \
 	  'vLLM $(VLLM) on x86 CPUs needs the CPU build of Triton (triton-cpu) in $(VLLM_VENV): see docs/VLLM_BUILD.md')"
 endif
-	VLLM_ENABLE_V1_MULTIPROCESSING=0 $(VLLM_PY) -m pytest -q -p no:logging tests/test_vllm.py \
+	VLLM_ENABLE_V1_MULTIPROCESSING=0 $(VLLM_PY) -m pytest -q -p no:logging --durations=8 tests/test_vllm.py \
 	  tests/test_vllm_stats.py tests/test_vllm_checks.py tests/test_vllm_surface.py tests/test_vllm_lifecycle.py tests/test_vllm_guards.py tests/test_vllm_scheduler.py tests/test_vllm_secret.py \
 	  tests/test_vllm_staging.py tests/test_vllm_identity.py tests/test_vllm_disk.py tests/test_vllm_bindings.py \
 	  tests/test_vllm_store_disabled.py tests/test_vllm_device.py tests/test_hf_geometry.py
 	# The server and TP tier in a fresh process, so that no in-process engine's state is left to
 	# load this 2-core machine while the TP=2 Mooncake engines run (their Mooncake calls stall
 	# under load: see test_tensor_parallel_mooncake_within_across_engines_and_tp_sizes).
-	VLLM_ENABLE_V1_MULTIPROCESSING=0 $(VLLM_PY) -m pytest -q -p no:logging tests/test_vllm_serve.py \
+	VLLM_ENABLE_V1_MULTIPROCESSING=0 $(VLLM_PY) -m pytest -q -p no:logging --durations=12 tests/test_vllm_serve.py \
 	  tests/test_vllm_serve_gains.py
 
 # vLLM 0.34's CPU backend built from its source distribution (the wheel cached outside the tree).

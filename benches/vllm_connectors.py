@@ -565,7 +565,7 @@ def last_error(log_path) -> str:
         return "(no log)"
     lines = [line.strip() for line in text.splitlines() if line.strip()]
     for line in reversed(lines):
-        if (any(w in line for w in ("Error", "Exception", "error:")) and not line.startswith("File ")
+        if (any(w in line for w in ("Error", "Exception", "error:")) and not line.startswith(("File ", "raise "))
                 and "initialization failed" not in line):
             return line[-400:]
     return lines[-1][-400:] if lines else "no output"
