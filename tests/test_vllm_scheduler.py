@@ -457,16 +457,6 @@ def test_a_blocked_head_on_a_shared_store_costs_one_bounded_call_per_validity():
         store.close()
 
 
-def _idle_step():
-    """A step that schedules nothing (the one after the last request finished)."""
-    return SimpleNamespace(
-        scheduled_new_reqs=[], scheduled_cached_reqs=SimpleNamespace(req_ids=[], num_computed_tokens=[], new_block_ids=[]),
-        num_scheduled_tokens={}, kv_connector_block_state=SimpleNamespace(get_block_ids=lambda rid: None,
-                                                                         boundary_state_offloads={}),
-        preempted_req_ids=set(), finished_req_ids=set(),
-    )
-
-
 def _mamba_shared_side():
     """A scheduler side on a shared store (nothing in it), full attention and a Mamba group."""
     groups = [kvstride.GroupSpec("full_attention", BLOCK), kvstride.GroupSpec("mamba", BLOCK, mamba_mode="align")]
@@ -682,3 +672,80 @@ def test_a_prefill_chunk_ending_inside_a_mamba_state_block_is_said_once(warnings
         assert not warned or f"--block-size {BLOCK}" in said[0]
     finally:
         side.shutdown()
+
+
+class _Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.mark.parametrize("seconds_a_record, claims_disk", [(0.5, False), (0.001, True)])
+def test_a_hit_on_a_disk_slower_than_the_model_is_what_memory_holds(tmp_path, seconds_a_record, claims_disk):
+    """An 8-block prompt saved and written through to the disk tier, its last 4 blocks since
+    gone from memory. Its next turn claims all 8 when the disk's measured read pace ends their
+    reads before vLLM would compute their tokens (1,000 tokens a second here), and only the 4
+    in memory when it would not: waiting for a slow disk made serving slower than no tier at
+    all (a disk read at 2 MiB/s under ``vllm serve``: 3.4x slower than a fast disk)."""
+    from kvstride.arena import ArenaPlacement
+    from kvstride.arena.disk_index import DiskIndex
+    from kvstride.vllm.lookups import ComputePace
+
+    groups = [kvstride.GroupSpec("full_attention", BLOCK)]
+    S, H = kvstride.resolve_block_sizes(groups)
+    planner = kvstride.KeyPlanner(groups, hash_block_size=H, scheduler_block_size=S,
+                                  namespace=kvstride.Namespace("disk-pace", fingerprint="00" * 8))
+    connector = ConnectorConfig({"store": "embedded"}, groups, "00" * 8, planner, [planner], 0, None,
+                                StoreChoice("embedded", 1, 16), 1)
+    clock = _Clock()
+    placement = ArenaPlacement(16, DiskIndex(16, str(tmp_path), {"record_bytes": 4096, "ranks": 1}), clock=clock)
+    side = SchedulerSide(connector, placement)
+    side.lookups.compute_pace = ComputePace(clock)
+    try:
+        hashes = _hashes(8, b"turn")
+        keys = [planner.key(0, h) for h in hashes]
+        (earlier,) = [planner.key(0, h) for h in _hashes(1, b"earlier")]
+        for depth, key in enumerate([earlier] + keys):  # saved, then written through
+            placement.place_saves([[(key, 0, depth)]])
+            placement.saves_done([key], ok=True)
+            placement.disk_written({job: [1, 0] for job in placement.take_disk_writes()})
+        # Gone from memory (evicted), still on disk.
+        placement.index.drop_slots([placement.index.slot(key) for key in [earlier] + keys[4:]])
+        # The disk's read pace: the earlier key's record read back.
+        assert placement.place_load("earlier", [[(earlier, 0, 9)]]) is not None
+        clock.now += seconds_a_record
+        placement.load_done("earlier", ok=True)
+        assert all(placement.exists(keys)) and placement.index.exists(keys) == [True] * 4 + [False] * 4
+        for _ in range(3):  # prompt steps of 100 tokens, 0.1 s apart
+            side.lookups.compute_pace.step(100, 1)
+            clock.now += 0.1
+        turn = SimpleNamespace(request_id="turn", block_hashes=hashes, num_tokens=8 * BLOCK + 1,
+                               num_prompt_tokens=8 * BLOCK + 1)
+        side.on_new_request(turn)
+        ext, _ = side.get_num_new_matched_tokens(turn, 0)
+        assert ext == (8 if claims_disk else 4) * BLOCK
+        assert side.counters["disk_hits_declined"] == (0 if claims_disk else 1)
+    finally:
+        side.shutdown()
+        placement.close()
+
+
+def test_the_compute_pace_counts_prompt_steps_and_not_idle_time():
+    """Prompt-chunk steps of 500 tokens, 0.5 s each: 1,000 tokens a second. A decode-only step
+    (a token per request) and an idle minute before the next step change nothing."""
+    from kvstride.vllm.lookups import ComputePace
+
+    clock = _Clock()
+    pace = ComputePace(clock)
+    assert pace.seconds(1000) is None
+    for _ in range(5):
+        pace.step(500, 2)
+        clock.now += 0.5
+    pace.step(4, 4)  # decode only: its 0.02 s say nothing of prompts
+    clock.now += 0.02
+    pace.step(500, 1)
+    clock.now += 60.0  # idle
+    pace.step(500, 1)
+    assert pace.seconds(1000) == pytest.approx(1.0)

@@ -4,8 +4,9 @@ wrote them (:mod:`kvstride.arena` says how the two sides fit). No bytes live her
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from kvstride.capacity import PrefixOrder
 from kvstride.stores.placement import EVERY_RANK
@@ -39,6 +40,10 @@ DISK_IN_FLIGHT_START = 256
 #: The disk's rate is its completions over the steps it was busy, both decayed by this much a
 #: busy step (a window of about ten): a write that takes several steps measures its pace, not 0.
 DISK_RATE_DECAY = 0.1
+#: Read admission: a lookup claims keys on disk only while reading them, behind the reads in
+#: flight at the disk's measured read pace, ends before vLLM would have computed their tokens
+#: (``disk_read_admits``); until a read ended, at most this many records are read at once.
+DISK_READS_START = 256
 
 
 def slots_for(capacity_bytes: int, slot_bytes: int) -> int:
@@ -301,8 +306,10 @@ class ArenaPlacement:
     every rank wrote it), a lookup sees both tiers, and a load of a key only on disk reads its
     record into a newly reserved slot first (``disk_reads``): the key is then in memory again."""
 
-    def __init__(self, num_slots: int, disk=None, world_size: int = 1) -> None:
+    def __init__(self, num_slots: int, disk=None, world_size: int = 1,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.index = SlotIndex(num_slots)
+        self.clock = clock
         self.disk = disk
         self.world_size = int(world_size)
         self._load_pins: Dict[str, List[int]] = {}  # req id -> slots pinned for its load
@@ -322,6 +329,10 @@ class ArenaPlacement:
         self._disk_busy_decayed = 0.0  # busy steps, decayed alike
         self._disk_busy = False  # records were in flight at the last step's start
         self._disk_cancelled: List[int] = []  # jobs given up, for the workers to drop
+        self._reads_in_flight = 0  # records loads are reading from disk
+        self._reads_changed_at = 0.0  # when that last changed
+        self._reads_done_decayed = 0.0  # records read, decayed by DISK_RATE_DECAY a load
+        self._reads_busy_decayed = 0.0  # seconds with reads in flight, decayed alike
         self.counts: Dict[str, int] = {}  # what the scheduler counts (take_counts)
 
     def exists(self, keys: Sequence[str]) -> List[bool]:
@@ -385,6 +396,29 @@ class ArenaPlacement:
             return DISK_IN_FLIGHT_START
         rate = self._disk_done_decayed / self._disk_busy_decayed  # records the disk completes a step
         return max(DISK_IN_FLIGHT_MIN, int(rate * DISK_BACKLOG_STEPS))
+
+    def disk_read_admits(self, records: int, compute_seconds: Optional[float]) -> bool:
+        """Whether a load may read ``records`` more from disk: behind the reads in flight, at
+        the disk's measured read pace, they end within ``compute_seconds`` (what vLLM would take
+        to compute their tokens; None: not known yet, admitted). A disk slower than the model
+        then serves the hits it can, and the rest are computed instead of waited for."""
+        queued = self._reads_in_flight + records
+        if self._reads_done_decayed <= 0:
+            return queued <= DISK_READS_START
+        if compute_seconds is None:
+            return True
+        return queued * self._reads_busy_decayed / self._reads_done_decayed <= compute_seconds
+
+    def _reads_change(self, records: int, done: int = 0) -> None:
+        """Reads of ``records`` begin (> 0) or end (< 0, ``done`` of them read): the disk's
+        read pace is the records read over the time reads were in flight."""
+        now = self.clock()
+        if self._reads_in_flight > 0:
+            keep = 1.0 - DISK_RATE_DECAY
+            self._reads_busy_decayed = self._reads_busy_decayed * keep + (now - self._reads_changed_at)
+            self._reads_done_decayed = self._reads_done_decayed * keep + done
+        self._reads_in_flight += records
+        self._reads_changed_at = now
 
     def take_counts(self) -> Dict[str, int]:
         counts, self.counts = self.counts, {}
@@ -503,6 +537,7 @@ class ArenaPlacement:
         reads = [(record, slot, key, group) for (key, group, _), record, slot in zip(from_disk, records, reserved)]
         self._load_pins[req_id] = slots
         self._disk_loads[req_id] = (disk_keys, records, reads)
+        self._reads_change(len(disk_keys))
         return {EVERY_RANK: [(slot_of[key], group, block) for key, group, block in gets]}
 
     def disk_reads(self, req_id: str) -> list:
@@ -538,6 +573,7 @@ class ArenaPlacement:
         held = self._disk_loads.pop(req_id, None)
         if held is not None:
             keys, records, _ = held
+            self._reads_change(-len(keys), done=len(keys) if ok else 0)
             (self.index.confirm if ok else self.index.abandon)(keys)
             self.disk.unpin(records)
 

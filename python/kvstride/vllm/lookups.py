@@ -18,6 +18,10 @@ asked, stands while the store's content for it cannot have changed:
 What the store held at a request's lookup is kept as a bitmap over the core's lookup keys
 (one bit per key) and expanded to key strings only when the request's saves ask which keys
 need no put.
+
+With the embedded store's disk tier, a hit that needs keys only on disk is claimed only when
+the placement's read admission expects their reads to end before vLLM would compute their
+tokens (:class:`ComputePace`); else the hit is what memory alone serves (the core computes both).
 """
 
 from __future__ import annotations
@@ -29,7 +33,7 @@ from typing import Callable, Dict, List, Optional
 
 import numpy as np
 
-__all__ = ["Lookups", "REMOTE_HIT_VALIDITY_S", "LOOKUP_BATCH_TOKENS", "WRITTEN_MEMORY"]
+__all__ = ["Lookups", "ComputePace", "REMOTE_HIT_VALIDITY_S", "LOOKUP_BATCH_TOKENS", "WRITTEN_MEMORY"]
 
 #: How long a shared store's answer stands for a request still waiting.
 REMOTE_HIT_VALIDITY_S = 1.0
@@ -41,6 +45,43 @@ LOOKUP_BATCH_TOKENS = 16384
 #: whose lookup came before they were written neither misses them nor puts them again: about
 #: 20 MiB.
 WRITTEN_MEMORY = 1 << 17
+
+
+class ComputePace:
+    """How fast vLLM computes prompt tokens, measured between the scheduler's steps: the tokens
+    of steps that computed a prompt chunk over the time until the next step, decayed by
+    ``DECAY`` a step. A gap far longer than the steps so far (the engine was idle) says nothing."""
+
+    DECAY = 0.1
+    IDLE_GAP = 4.0  # times the mean step: longer is idle time, not compute
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self.clock = clock
+        self._last: Optional[float] = None
+        self._last_tokens = 0  # prompt-chunk steps only: 0 for a decode-only step
+        self._tokens = 0.0
+        self._seconds = 0.0
+        self._steps = 0.0
+
+    def step(self, scheduled_tokens: int, scheduled_requests: int) -> None:
+        """A scheduler step begins with these scheduled (more tokens than requests: a prompt chunk)."""
+        now = self.clock()
+        if self._last is not None and self._last_tokens:
+            took = now - self._last
+            mean = self._seconds / self._steps if self._steps else None
+            if mean is None or took <= max(1.0, self.IDLE_GAP * mean):
+                keep = 1.0 - self.DECAY
+                self._tokens = self._tokens * keep + self._last_tokens
+                self._seconds = self._seconds * keep + took
+                self._steps = self._steps * keep + 1.0
+        self._last = now
+        self._last_tokens = scheduled_tokens if scheduled_tokens > scheduled_requests else 0
+
+    def seconds(self, tokens: int) -> Optional[float]:
+        """What computing ``tokens`` takes at the measured pace (None before any prompt step)."""
+        if self._tokens <= 0:
+            return None
+        return tokens * self._seconds / self._tokens
 
 
 @dataclass
@@ -63,7 +104,9 @@ class Lookups:
 
     def __init__(self, engine, planner, placement, batch_requests: int,
                  clock: Callable[[], float] = time.monotonic,
-                 planner_of: Optional[Callable[[object], object]] = None) -> None:
+                 planner_of: Optional[Callable[[object], object]] = None,
+                 compute_pace: Optional[ComputePace] = None,
+                 count: Callable[[str], None] = lambda name: None) -> None:
         self.engine = engine  # OffloadEngine: asks the store, the core computes the hit
         self.planner = planner
         # A request's own planner (kvstride.vllm.bindings), None for one never looked up
@@ -71,6 +114,9 @@ class Lookups:
         self.placement = placement
         self.batch_requests = max(1, int(batch_requests))
         self.clock = clock
+        self.compute_pace = compute_pace or ComputePace(clock)
+        self._reads_disk = getattr(placement, "disk", None) is not None
+        self.count = count  # the side's counters: disk_hits_declined
         self.step = 0
         self._answers: Dict[str, _Answer] = {}  # req id -> its last answer, while it is needed
         self._standing: set = set()  # req ids waiting whose answer still stands for their hit
@@ -113,11 +159,13 @@ class Lookups:
         requests = [(other, list(r.block_hashes), int(r.num_tokens), p) for other, (r, p) in batch.items()]
         hits = self.engine.lookup(requests, bitmaps)
         now = self.clock()
-        for other, hashes, num_tokens, _ in requests:
+        for other, hashes, num_tokens, planner in requests:
             bitmap = bitmaps.get(other)
             if bitmap is None:  # the store did not answer: nothing stands
                 self._standing.discard(other)
                 continue
+            if self._reads_disk and hits[other]:
+                hits[other] = self._within_disk_pace(planner, hashes, num_tokens, bitmap, hits[other])
             # (A prompt shorter than one hash block has no key: an empty bitmap, of no dtype.)
             packed = np.packbits(np.asarray(bitmap, dtype=bool))
             self._answers[other] = _Answer(hits[other], len(hashes), num_tokens, packed, len(bitmap),
@@ -125,6 +173,20 @@ class Lookups:
             self._found.pop(other, None)
             self._standing.add(other)
         return hits[rid]
+
+    def _within_disk_pace(self, planner, hashes, num_tokens: int, bitmap: List[bool], hit: int) -> int:
+        """``hit``, or the hit memory alone serves when reading its keys that are only on disk
+        would take longer than computing the tokens they add (every such key of the lookup
+        counts: a bound on what the load reads)."""
+        in_memory = self.placement.index.exists(planner.lookup_keys(hashes, num_tokens))
+        on_disk = sum(found and not here for found, here in zip(bitmap, in_memory))
+        if not on_disk:
+            return hit
+        memory_hit = planner.longest_hit_bitmap(hashes, num_tokens, [f and m for f, m in zip(bitmap, in_memory)])
+        if memory_hit >= hit or self.placement.disk_read_admits(on_disk, self.compute_pace.seconds(hit - memory_hit)):
+            return hit
+        self.count("disk_hits_declined")
+        return memory_hit
 
     def _stands(self, answer: _Answer) -> bool:
         if self.placement.knows_contents:

@@ -108,7 +108,7 @@ class SchedulerSide(Outcomes):
         self._state_block = max((g.block_size for g in config.groups if g.kind == "mamba" and g.mamba_mode == "align"),
                                 default=0)
         self.lookups = Lookups(self.engine, self.planner, placement, config.lookup_batch,
-                               planner_of=self._lookup_planner)
+                               planner_of=self._lookup_planner, count=self.count)
         # TP ranks whose worker disabled its store (KVStrideWorkerMetadata.store_disabled):
         # while any is, no hit is claimed and nothing is saved (every load and save would fail)
         self._disabled_ranks: set = set()
@@ -233,6 +233,8 @@ class SchedulerSide(Outcomes):
         store with what the metadata names (O(blocks that move), never a hash or a table)."""
         self._step += 1
         self.lookups.step = self._step
+        scheduled = getattr(scheduler_output, "num_scheduled_tokens", None) or {}
+        self.lookups.compute_pace.step(sum(scheduled.values()), len(scheduled))
         self._abandon_stale_jobs()
         meta = KVStrideMetadata(failed_loads=sorted(self._failed_allocs))
         try:

@@ -57,6 +57,7 @@ SHOWN_WHEN_MOVED = {
     "requests_unbound": "requests_unbound",
     "pinned_bytes": "pinned_bytes",
     "disk_writes_skipped": "disk_writes_skipped",
+    "disk_hits_declined": "disk_hits_declined",
     "save_jobs_reported_late": "save_jobs_reported_late",
 }
 #: Stats name -> the engine operation whose total seconds it is the delta of (store calls).
@@ -188,6 +189,11 @@ SERIES = {
         "the arena slots they held are free again.",
     ),
     "loads_from_disk": ("vllm:kvstride_loads_from_disk", "Loads that read some blocks from the disk tier."),
+    "disk_hits_declined": (
+        "vllm:kvstride_disk_hits_declined",
+        "Lookups that claimed only what memory held: reading the rest from the disk tier would have taken longer "
+        "than computing it.",
+    ),
     "disk_bytes_written": ("vllm:kvstride_disk_bytes_written", "Bytes written to the disk tier's records."),
     "disk_bytes_read": ("vllm:kvstride_disk_bytes_read", "Bytes read from the disk tier's records."),
 }
