@@ -358,6 +358,16 @@ def bench_client(server: Server, path: str, dataset: Path, count: int, result_di
     return json.loads((result_dir / name).read_text())
 
 
+def fresh_store(cell: str, scratch: Path):
+    """A Mooncake cell's store (the peer's master), empty: what one rep stored must not hit in
+    the next (None: the cell needs none)."""
+    if cell == "kvstride-mooncake":
+        return StoreServer(str(scratch), "4GiB")
+    if cell == PEER:
+        return BareMaster(str(scratch))
+    return None
+
+
 def run_cell(model: str, path: str, cell: str, rep: int, datasets: Dict[str, tuple], scratch: Path, args,
              env: dict) -> dict:
     """Start the cell's server, run every workload, stop it: per workload its figures. A disk
@@ -605,21 +615,11 @@ def main() -> int:
                VLLM_CACHE_ROOT=str(Path(args.cache) / "vllm-cache"),
                VLLM_CPU_NUM_OF_RESERVED_CPU=str(args.reserved_cpus))
     env.pop("MOONCAKE_CONFIG_PATH", None)
-    stores = []
     report: dict = {"machine": f"{platform.node()} {os.cpu_count()} cpus", "command": " ".join(sys.argv),
                     "commit": subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"],
                                              capture_output=True, text=True).stdout.strip(), "models": {}}
     failed = False
     try:
-        cell_env = {cell: env for cell in cells}
-        if "kvstride-mooncake" in cells:
-            store = StoreServer(str(scratch), "4GiB")
-            stores.append(store)
-            cell_env["kvstride-mooncake"] = dict(env, MOONCAKE_CONFIG_PATH=store.config_path)
-        if PEER in cells:
-            master = BareMaster(str(scratch))
-            stores.append(master)
-            cell_env[PEER] = dict(env, MOONCAKE_CONFIG_PATH=master.config_path)
         for model in models:
             path = build_model(model, Path(args.cache))
             datasets = write_datasets(model, size, workloads, scratch, args)
@@ -629,7 +629,13 @@ def main() -> int:
                 for cell in order:
                     if runs[cell] and "error" in runs[cell][0]:
                         continue  # a cell that cannot start here is tried once
-                    result = run_cell(model, path, cell, rep, datasets, scratch, args, cell_env[cell])
+                    store = fresh_store(cell, scratch)
+                    try:
+                        cell_env = env if store is None else dict(env, MOONCAKE_CONFIG_PATH=store.config_path)
+                        result = run_cell(model, path, cell, rep, datasets, scratch, args, cell_env)
+                    finally:
+                        if store is not None:
+                            store.stop()
                     runs[cell].append(result)
                     state = result.get("error", f"up in {result.get('start_s')} s")
                     print(f"[{model} rep {rep}] {cell}: {state[:200]}", flush=True)
@@ -647,8 +653,6 @@ def main() -> int:
                 failed = True
             report["models"][model] = {"cells": table, "outputs": outputs, "goals": verdicts, "no_hits": missing}
     finally:
-        for store in stores:
-            store.stop()
         if args.json:
             Path(args.json).write_text(json.dumps(report, indent=1) + "\n")
         if failed or any("error" in rows for m in report["models"].values() for rows in m["cells"].values()):
