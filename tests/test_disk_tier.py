@@ -776,3 +776,27 @@ def test_the_index_commits_off_the_schedulers_thread_and_retries_what_failed(tmp
         assert reopened.restored == 2
     finally:
         reopened.close()
+
+
+def test_disk_reads_are_measured_one_load_at_a_time_then_admitted_by_their_pace(tmp_path):
+    """Before any read ended, one load reads from disk at a time; its pace then decides (4
+    records in 2 s: 0.5 s a record), and after a quiet minute one load measures it again."""
+    now = [100.0]
+    placement = ArenaPlacement(8, _index(tmp_path), clock=lambda: now[0])
+    try:
+        for key in ("a", "b", "c", "d"):
+            placement.place_saves([[(key, 0, 0)]])
+            placement.saves_done([key], ok=True)
+            placement.disk_written({job: [1, 0] for job in placement.take_disk_writes()})
+        placement.index.drop_slots([placement.index.slot(key) for key in ("a", "b", "c", "d")])
+        assert placement.disk_read_admits(4, compute_seconds=0.1)  # unmeasured, nothing in flight
+        assert placement.place_load("first", [[(k, 0, n) for n, k in enumerate("abcd")]]) is not None
+        assert not placement.disk_read_admits(1, compute_seconds=100.0)  # a second load waits for the pace
+        now[0] += 2.0
+        placement.load_done("first", ok=True)
+        assert placement.disk_read_admits(4, compute_seconds=2.0)
+        assert not placement.disk_read_admits(4, compute_seconds=1.9)
+        now[0] += 60.0
+        assert placement.disk_read_admits(4, compute_seconds=0.1)  # quiet a minute: measured again
+    finally:
+        placement.close()

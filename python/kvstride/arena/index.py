@@ -42,8 +42,10 @@ DISK_IN_FLIGHT_START = 256
 DISK_RATE_DECAY = 0.1
 #: Read admission: a lookup claims keys on disk only while reading them, behind the reads in
 #: flight at the disk's measured read pace, ends before vLLM would have computed their tokens
-#: (``disk_read_admits``); until a read ended, at most this many records are read at once.
-DISK_READS_START = 256
+#: (``disk_read_admits``). The pace is measured by one load at a time: before the first read
+#: ended, and again (whatever the estimate) after this many seconds without a read, so that a
+#: disk that was slow for a while is not written off for good.
+DISK_READ_PROBE_S = 60.0
 
 
 def slots_for(capacity_bytes: int, slot_bytes: int) -> int:
@@ -401,12 +403,14 @@ class ArenaPlacement:
         """Whether a load may read ``records`` more from disk: behind the reads in flight, at
         the disk's measured read pace, they end within ``compute_seconds`` (what vLLM would take
         to compute their tokens; None: not known yet, admitted). A disk slower than the model
-        then serves the hits it can, and the rest are computed instead of waited for."""
-        queued = self._reads_in_flight + records
-        if self._reads_done_decayed <= 0:
-            return queued <= DISK_READS_START
+        then serves the hits it can, and the rest are computed instead of waited for. Unmeasured,
+        or quiet for ``DISK_READ_PROBE_S``, one load at a time measures it."""
+        quiet = self._reads_in_flight == 0 and self.clock() - self._reads_changed_at >= DISK_READ_PROBE_S
+        if self._reads_done_decayed <= 0 or quiet:
+            return self._reads_in_flight == 0
         if compute_seconds is None:
             return True
+        queued = self._reads_in_flight + records
         return queued * self._reads_busy_decayed / self._reads_done_decayed <= compute_seconds
 
     def _reads_change(self, records: int, done: int = 0) -> None:
