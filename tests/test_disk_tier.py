@@ -55,6 +55,8 @@ def test_a_record_reads_back_into_another_slot_bit_for_bit(tmp_path):
         kv["attn"][9].zero_()
         slots.disk.read("r", [(5, 2, "key-a", 0)])
         assert _wait(slots.disk) == ({}, {"r": (True, [])})
+        records, seconds = slots.disk.take_read_pace()  # for the scheduler's read admission
+        assert records == 1 and seconds > 0 and slots.disk.take_read_pace() == (0, 0.0)
         assert slots.load_blocks([2], [0], [9]) == [Status.OK]
         assert torch.equal(kv["attn"][9], want)
     finally:
@@ -779,8 +781,9 @@ def test_the_index_commits_off_the_schedulers_thread_and_retries_what_failed(tmp
 
 
 def test_disk_reads_are_measured_one_load_at_a_time_then_admitted_by_their_pace(tmp_path):
-    """Before any read ended, one load reads from disk at a time; its pace then decides (4
-    records in 2 s: 0.5 s a record), and after a quiet minute one load measures it again."""
+    """Before the workers reported a read, one load reads from disk at a time; their pace then
+    decides (4 records in 2 s of their read lanes: 0.5 s a record), and after a quiet minute
+    one load measures it again."""
     now = [100.0]
     placement = ArenaPlacement(8, _index(tmp_path), clock=lambda: now[0])
     try:
@@ -792,7 +795,7 @@ def test_disk_reads_are_measured_one_load_at_a_time_then_admitted_by_their_pace(
         assert placement.disk_read_admits(4, compute_seconds=0.1)  # unmeasured, nothing in flight
         assert placement.place_load("first", [[(k, 0, n) for n, k in enumerate("abcd")]]) is not None
         assert not placement.disk_read_admits(1, compute_seconds=100.0)  # a second load waits for the pace
-        now[0] += 2.0
+        placement.disk_read_timed(4, 2.0)
         placement.load_done("first", ok=True)
         assert placement.disk_read_admits(4, compute_seconds=2.0)
         assert not placement.disk_read_admits(4, compute_seconds=1.9)

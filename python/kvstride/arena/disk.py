@@ -24,6 +24,7 @@ import os
 import shutil
 import stat
 import threading
+import time
 from dataclasses import dataclass
 from typing import List, Optional, Sequence, Tuple
 
@@ -328,6 +329,7 @@ class DiskLane:
         self._queued: set = set()  # write jobs not begun
         self._cancelled: set = set()  # of those, the ones the scheduler gave up
         self._dropped = 0  # write jobs dropped unwritten since the last take
+        self._read_pace = [0, 0.0]  # records read and the read lane's seconds, since the last take
 
     def write(self, job_id: int, entries: Sequence[Tuple[int, int, str]]) -> None:
         """Write ``(slot, record, key)`` entries (the scheduler keeps their slots until reported)."""
@@ -358,6 +360,7 @@ class DiskLane:
     def read(self, req_id: str, entries: Sequence[Tuple[int, int, str, int]]) -> None:
         """Read ``(record, slot, key, group)`` entries into their slots."""
         def run() -> None:
+            started = time.perf_counter()
             try:
                 oks = list(self._read_io.map(lambda e: self.records.read(*e), entries))
             except Exception as err:
@@ -366,6 +369,8 @@ class DiskLane:
             bad = [int(e[0]) for e, ok in zip(entries, oks) if not ok]
             with self._lock:
                 self._read[req_id] = (not bad, bad)
+                self._read_pace[0] += len(entries) - len(bad)
+                self._read_pace[1] += time.perf_counter() - started
 
         self._read_lane.submit(run)
 
@@ -379,6 +384,13 @@ class DiskLane:
         if dropped:
             counted["disk_writes_dropped"] = dropped
         return written, read, counted
+
+    def take_read_pace(self) -> Tuple[int, float]:
+        """(records read, seconds the read lane spent on its jobs) since the last call: the
+        disk's read pace, without the steps a load waits to be reported."""
+        with self._lock:
+            (records, seconds), self._read_pace = self._read_pace, [0, 0.0]
+        return records, seconds
 
     def shutdown(self) -> None:
         """Finish what was submitted, then close the file."""

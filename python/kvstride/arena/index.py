@@ -332,9 +332,9 @@ class ArenaPlacement:
         self._disk_busy = False  # records were in flight at the last step's start
         self._disk_cancelled: List[int] = []  # jobs given up, for the workers to drop
         self._reads_in_flight = 0  # records loads are reading from disk
-        self._reads_changed_at = 0.0  # when that last changed
-        self._reads_done_decayed = 0.0  # records read, decayed by DISK_RATE_DECAY a load
-        self._reads_busy_decayed = 0.0  # seconds with reads in flight, decayed alike
+        self._reads_changed_at = clock()  # when that last changed
+        self._reads_done_decayed = 0.0  # records the workers read, decayed by DISK_RATE_DECAY a report
+        self._reads_seconds_decayed = 0.0  # the seconds their read lanes took, decayed alike
         self.counts: Dict[str, int] = {}  # what the scheduler counts (take_counts)
 
     def exists(self, keys: Sequence[str]) -> List[bool]:
@@ -411,18 +411,20 @@ class ArenaPlacement:
         if compute_seconds is None:
             return True
         queued = self._reads_in_flight + records
-        return queued * self._reads_busy_decayed / self._reads_done_decayed <= compute_seconds
+        return queued * self._reads_seconds_decayed / self._reads_done_decayed <= compute_seconds
 
-    def _reads_change(self, records: int, done: int = 0) -> None:
-        """Reads of ``records`` begin (> 0) or end (< 0, ``done`` of them read): the disk's
-        read pace is the records read over the time reads were in flight."""
-        now = self.clock()
-        if self._reads_in_flight > 0:
-            keep = 1.0 - DISK_RATE_DECAY
-            self._reads_busy_decayed = self._reads_busy_decayed * keep + (now - self._reads_changed_at)
-            self._reads_done_decayed = self._reads_done_decayed * keep + done
+    def disk_read_timed(self, records: int, seconds: float) -> None:
+        """The workers read ``records`` from disk in ``seconds`` of their read lanes (summed
+        over ranks, each reading its own shard): the disk's read pace, without the steps a load
+        waits to be reported."""
+        keep = 1.0 - DISK_RATE_DECAY
+        self._reads_done_decayed = self._reads_done_decayed * keep + records
+        self._reads_seconds_decayed = self._reads_seconds_decayed * keep + seconds
+
+    def _reads_change(self, records: int) -> None:
+        """Reads of ``records`` begin (> 0) or end (< 0)."""
         self._reads_in_flight += records
-        self._reads_changed_at = now
+        self._reads_changed_at = self.clock()
 
     def take_counts(self) -> Dict[str, int]:
         counts, self.counts = self.counts, {}
@@ -577,7 +579,7 @@ class ArenaPlacement:
         held = self._disk_loads.pop(req_id, None)
         if held is not None:
             keys, records, _ = held
-            self._reads_change(-len(keys), done=len(keys) if ok else 0)
+            self._reads_change(-len(keys))
             (self.index.confirm if ok else self.index.abandon)(keys)
             self.disk.unpin(records)
 
