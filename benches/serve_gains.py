@@ -7,7 +7,7 @@ own client (``vllm bench serve``), with kvstride, with vLLM's peers, and with no
 
 Run it from the repository root with the vLLM venv's python, on a quiet machine: every cell
 shares its cores. ``--quick`` (one model, the three main cells, two reps: under 15 minutes on two
-cores), the default (both models, every cell, three reps: under an hour), ``--smoke`` (a tiny
+cores), the default (both models, every cell, three reps: about an hour), ``--smoke`` (a tiny
 model, kvstride alone, a few requests: what the test tier runs).
 
 Models: random weights of a real family's shape, generated here into ``--cache`` (no download),
