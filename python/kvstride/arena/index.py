@@ -4,6 +4,8 @@ wrote them (:mod:`kvstride.arena` says how the two sides fit). No bytes live her
 
 from __future__ import annotations
 
+import collections
+import statistics
 import time
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
@@ -42,10 +44,12 @@ DISK_IN_FLIGHT_START = 256
 DISK_RATE_DECAY = 0.1
 #: Read admission: a lookup claims keys on disk only while reading them, behind the reads in
 #: flight at the disk's measured read pace, ends before vLLM would have computed their tokens
-#: (``disk_read_admits``). The pace is measured by one load at a time: before the first read
-#: ended, and again (whatever the estimate) after this many seconds without a read, so that a
-#: disk that was slow for a while is not written off for good.
-DISK_READ_PROBE_S = 60.0
+#: (``disk_read_admits``). The pace is the median of the workers' last reports (one read that
+#: stalled, as a loop device or a busy drive does now and then, does not set it); it is
+#: measured by one load at a time before the first report, and again (whatever the estimate)
+#: after this many seconds without a read, so that a disk slow for a while is not written off.
+DISK_READ_PROBE_S = 5.0
+DISK_READ_PACES_KEPT = 16
 
 
 def slots_for(capacity_bytes: int, slot_bytes: int) -> int:
@@ -333,8 +337,7 @@ class ArenaPlacement:
         self._disk_cancelled: List[int] = []  # jobs given up, for the workers to drop
         self._reads_in_flight = 0  # records loads are reading from disk
         self._reads_changed_at = clock()  # when that last changed
-        self._reads_done_decayed = 0.0  # records the workers read, decayed by DISK_RATE_DECAY a report
-        self._reads_seconds_decayed = 0.0  # the seconds their read lanes took, decayed alike
+        self._read_paces: "collections.deque[float]" = collections.deque(maxlen=DISK_READ_PACES_KEPT)  # s a record
         self.counts: Dict[str, int] = {}  # what the scheduler counts (take_counts)
 
     def exists(self, keys: Sequence[str]) -> List[bool]:
@@ -406,20 +409,17 @@ class ArenaPlacement:
         then serves the hits it can, and the rest are computed instead of waited for. Unmeasured,
         or quiet for ``DISK_READ_PROBE_S``, one load at a time measures it."""
         quiet = self._reads_in_flight == 0 and self.clock() - self._reads_changed_at >= DISK_READ_PROBE_S
-        if self._reads_done_decayed <= 0 or quiet:
+        if not self._read_paces or quiet:
             return self._reads_in_flight == 0
         if compute_seconds is None:
             return True
-        queued = self._reads_in_flight + records
-        return queued * self._reads_seconds_decayed / self._reads_done_decayed <= compute_seconds
+        return (self._reads_in_flight + records) * statistics.median(self._read_paces) <= compute_seconds
 
     def disk_read_timed(self, records: int, seconds: float) -> None:
         """The workers read ``records`` from disk in ``seconds`` of their read lanes (summed
         over ranks, each reading its own shard): the disk's read pace, without the steps a load
-        waits to be reported."""
-        keep = 1.0 - DISK_RATE_DECAY
-        self._reads_done_decayed = self._reads_done_decayed * keep + records
-        self._reads_seconds_decayed = self._reads_seconds_decayed * keep + seconds
+        waits to be reported; a report of reads that all failed counts as one record)."""
+        self._read_paces.append(seconds / max(1, records))
 
     def _reads_change(self, records: int) -> None:
         """Reads of ``records`` begin (> 0) or end (< 0)."""
