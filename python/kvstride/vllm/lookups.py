@@ -105,7 +105,6 @@ class Lookups:
     def __init__(self, engine, planner, placement, batch_requests: int,
                  clock: Callable[[], float] = time.monotonic,
                  planner_of: Optional[Callable[[object], object]] = None,
-                 compute_pace: Optional[ComputePace] = None,
                  count: Callable[[str], None] = lambda name: None) -> None:
         self.engine = engine  # OffloadEngine: asks the store, the core computes the hit
         self.planner = planner
@@ -114,7 +113,7 @@ class Lookups:
         self.placement = placement
         self.batch_requests = max(1, int(batch_requests))
         self.clock = clock
-        self.compute_pace = compute_pace or ComputePace(clock)
+        self.compute_pace = ComputePace(clock)  # vLLM's prompt pace: what a disk read is weighed against
         self._reads_disk = getattr(placement, "disk", None) is not None
         self.count = count  # the side's counters: disk_hits_declined
         self.step = 0
