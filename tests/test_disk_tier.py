@@ -782,8 +782,9 @@ def test_the_index_commits_off_the_schedulers_thread_and_retries_what_failed(tmp
 
 def test_disk_reads_are_measured_one_load_at_a_time_then_admitted_by_their_pace(tmp_path):
     """Before the workers reported a read, one load reads from disk at a time; the median of
-    their reported paces then decides (4 records in 2 s of their read lanes: 0.5 s a record;
-    one stalled report does not move it), and after 5 quiet seconds one load measures it again."""
+    their reported paces then decides (4 records in 2 s of their read lanes: 0.5 s a record,
+    admitted where computing takes at least a quarter of that; one stalled report does not move
+    it), and after 5 quiet seconds one load measures it again."""
     now = [100.0]
     placement = ArenaPlacement(8, _index(tmp_path), clock=lambda: now[0])
     try:
@@ -797,11 +798,12 @@ def test_disk_reads_are_measured_one_load_at_a_time_then_admitted_by_their_pace(
         assert not placement.disk_read_admits(1, compute_seconds=100.0)  # a second load waits for the pace
         placement.disk_read_timed(4, 2.0)
         placement.load_done("first", ok=True)
-        assert placement.disk_read_admits(4, compute_seconds=2.0)
-        assert not placement.disk_read_admits(4, compute_seconds=1.9)
+        assert placement.disk_read_admits(4, compute_seconds=0.5)
+        assert not placement.disk_read_admits(4, compute_seconds=0.49)
+        assert not placement.disk_read_admits(1, compute_seconds=0.01)
         placement.disk_read_timed(4, 2.0)
         placement.disk_read_timed(2, 30.0)  # a read that stalled
-        assert placement.disk_read_admits(4, compute_seconds=2.0)
+        assert placement.disk_read_admits(4, compute_seconds=0.5)
         now[0] += 5.0
         assert placement.disk_read_admits(4, compute_seconds=0.1)  # quiet 5 s: measured again
     finally:

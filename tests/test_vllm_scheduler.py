@@ -686,8 +686,8 @@ class _Clock:
 def test_a_hit_on_a_disk_slower_than_the_model_is_what_memory_holds(tmp_path, seconds_a_record, claims_disk):
     """An 8-block prompt saved and written through to the disk tier, its last 4 blocks since
     gone from memory. Its next turn claims all 8 when the disk's read pace (the workers') ends their
-    reads before vLLM would compute their tokens (1,000 tokens a second here), and only the 4
-    in memory when it would not: waiting for a slow disk made serving slower than no tier at
+    reads within 4 times what vLLM takes to compute their tokens (1,000 tokens a second here),
+    and only the 4 in memory when it would not: waiting for a slow disk made serving slower than no tier at
     all (a disk read at 2 MiB/s under ``vllm serve``: 3.4x slower than a fast disk)."""
     from kvstride.arena import ArenaPlacement
     from kvstride.arena.disk_index import DiskIndex

@@ -43,12 +43,17 @@ DISK_IN_FLIGHT_START = 256
 #: busy step (a window of about ten): a write that takes several steps measures its pace, not 0.
 DISK_RATE_DECAY = 0.1
 #: Read admission: a lookup claims keys on disk only while reading them, behind the reads in
-#: flight at the disk's measured read pace, ends before vLLM would have computed their tokens
-#: (``disk_read_admits``). The pace is the median of the workers' last reports (one read that
+#: flight at the disk's measured read pace, takes at most ``DISK_READ_SLOWER`` times what vLLM
+#: would take to compute their tokens (``disk_read_admits``): a read a little slower than the
+#: compute still spares it for other requests; one far slower only makes the request wait. The pace is the median of the workers' last reports (one read that
 #: stalled, as a loop device or a busy drive does now and then, does not set it); it is
 #: measured by one load at a time before the first report, and again (whatever the estimate)
 #: after this many seconds without a read, so that a disk slow for a while is not written off.
 DISK_READ_PROBE_S = 5.0
+DISK_READ_SLOWER = 4.0
+#: Reads expected to end within this long are claimed whatever vLLM's pace: a step or two of
+#: waiting that spares the compute (a small model on a fast CPU computes faster than any disk).
+DISK_READ_CLAIMED_S = 0.05
 DISK_READ_PACES_KEPT = 16
 
 
@@ -404,16 +409,16 @@ class ArenaPlacement:
 
     def disk_read_admits(self, records: int, compute_seconds: Optional[float]) -> bool:
         """Whether a load may read ``records`` more from disk: behind the reads in flight, at
-        the disk's measured read pace, they end within ``compute_seconds`` (what vLLM would take
-        to compute their tokens; None: not known yet, admitted). A disk slower than the model
+        the disk's measured read pace, they end within ``DISK_READ_SLOWER`` times
+        ``compute_seconds`` (what vLLM would take to compute their tokens; None: not known yet,
+        admitted). A disk slower than the model
         then serves the hits it can, and the rest are computed instead of waited for. Unmeasured,
         or quiet for ``DISK_READ_PROBE_S``, one load at a time measures it."""
         quiet = self._reads_in_flight == 0 and self.clock() - self._reads_changed_at >= DISK_READ_PROBE_S
         if not self._read_paces or quiet:
             return self._reads_in_flight == 0
-        if compute_seconds is None:
-            return True
-        return (self._reads_in_flight + records) * statistics.median(self._read_paces) <= compute_seconds
+        expected = (self._reads_in_flight + records) * statistics.median(self._read_paces)
+        return compute_seconds is None or expected <= max(DISK_READ_SLOWER * compute_seconds, DISK_READ_CLAIMED_S)
 
     def disk_read_timed(self, records: int, seconds: float) -> None:
         """The workers read ``records`` from disk in ``seconds`` of their read lanes (summed
