@@ -411,9 +411,9 @@ class ArenaPlacement:
         """Whether a load may read ``records`` more from disk: behind the reads in flight, at
         the disk's measured read pace, they end within ``DISK_READ_SLOWER`` times
         ``compute_seconds`` (what vLLM would take to compute their tokens; None: not known yet,
-        admitted). A disk slower than the model
-        then serves the hits it can, and the rest are computed instead of waited for. Unmeasured,
-        or quiet for ``DISK_READ_PROBE_S``, one load at a time measures it."""
+        admitted) or within ``DISK_READ_CLAIMED_S``. A disk far slower than the model then
+        serves the hits it can, and the rest are computed instead of waited for. Unmeasured, or
+        quiet for ``DISK_READ_PROBE_S``, one load at a time measures it."""
         quiet = self._reads_in_flight == 0 and self.clock() - self._reads_changed_at >= DISK_READ_PROBE_S
         if not self._read_paces or quiet:
             return self._reads_in_flight == 0
@@ -423,7 +423,7 @@ class ArenaPlacement:
     def disk_read_timed(self, records: int, seconds: float) -> None:
         """The workers read ``records`` from disk in ``seconds`` of their read lanes (summed
         over ranks, each reading its own shard): the disk's read pace, without the steps a load
-        waits to be reported; a report of reads that all failed counts as one record)."""
+        waits to be reported. A report of reads that all failed counts as one record."""
         self._read_paces.append(seconds / max(1, records))
 
     def _reads_change(self, records: int) -> None:
