@@ -793,18 +793,18 @@ def test_disk_reads_are_measured_one_load_at_a_time_then_admitted_by_their_pace(
             placement.saves_done([key], ok=True)
             placement.disk_written({job: [1, 0] for job in placement.take_disk_writes()})
         placement.index.drop_slots([placement.index.slot(key) for key in ("a", "b", "c", "d")])
-        assert placement.disk_read_admits(4, compute_seconds=0.1)  # unmeasured, nothing in flight
+        assert placement.read_admission.admits(4, compute_seconds=0.1)  # unmeasured, nothing in flight
         assert placement.place_load("first", [[(k, 0, n) for n, k in enumerate("abcd")]]) is not None
-        assert not placement.disk_read_admits(1, compute_seconds=100.0)  # a second load waits for the pace
-        placement.disk_read_timed(4, 2.0)
+        assert not placement.read_admission.admits(1, compute_seconds=100.0)  # a second load waits for the pace
+        placement.read_admission.timed(4, 2.0)
         placement.load_done("first", ok=True)
-        assert placement.disk_read_admits(4, compute_seconds=0.5)
-        assert not placement.disk_read_admits(4, compute_seconds=0.49)
-        assert not placement.disk_read_admits(1, compute_seconds=0.01)
-        placement.disk_read_timed(4, 2.0)
-        placement.disk_read_timed(2, 30.0)  # a read that stalled
-        assert placement.disk_read_admits(4, compute_seconds=0.5)
+        assert placement.read_admission.admits(4, compute_seconds=0.5)
+        assert not placement.read_admission.admits(4, compute_seconds=0.49)
+        assert not placement.read_admission.admits(1, compute_seconds=0.01)
+        placement.read_admission.timed(4, 2.0)
+        placement.read_admission.timed(2, 30.0)  # a read that stalled
+        assert placement.read_admission.admits(4, compute_seconds=0.5)
         now[0] += 5.0
-        assert placement.disk_read_admits(4, compute_seconds=0.1)  # quiet 5 s: measured again
+        assert placement.read_admission.admits(4, compute_seconds=0.1)  # quiet 5 s: measured again
     finally:
         placement.close()

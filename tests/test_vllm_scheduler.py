@@ -691,8 +691,6 @@ def test_a_hit_on_a_disk_slower_than_the_model_is_what_memory_holds(tmp_path, se
     all (a disk read at 2 MiB/s under ``vllm serve``: 3.4x slower than a fast disk)."""
     from kvstride.arena import ArenaPlacement
     from kvstride.arena.disk_index import DiskIndex
-    from kvstride.vllm.lookups import ComputePace
-
     groups = [kvstride.GroupSpec("full_attention", BLOCK)]
     S, H = kvstride.resolve_block_sizes(groups)
     planner = kvstride.KeyPlanner(groups, hash_block_size=H, scheduler_block_size=S,
@@ -702,7 +700,6 @@ def test_a_hit_on_a_disk_slower_than_the_model_is_what_memory_holds(tmp_path, se
     clock = _Clock()
     placement = ArenaPlacement(16, DiskIndex(16, str(tmp_path), {"record_bytes": 4096, "ranks": 1}), clock=clock)
     side = SchedulerSide(connector, placement)
-    side.lookups.compute_pace = ComputePace(clock)
     try:
         hashes = _hashes(8, b"turn")
         keys = [planner.key(0, h) for h in hashes]
@@ -717,7 +714,7 @@ def test_a_hit_on_a_disk_slower_than_the_model_is_what_memory_holds(tmp_path, se
                                                      kv_connector_worker_meta=KVStrideWorkerMetadata(
                                                          disk_read_pace=[4, 4 * seconds_a_record])))
         for _ in range(3):  # prompt steps of 100 tokens, 0.1 s apart
-            side.lookups.compute_pace.step(100, 1)
+            placement.read_admission.prompt_step(100, 1)
             clock.now += 0.1
         turn = SimpleNamespace(request_id="turn", block_hashes=hashes, num_tokens=8 * BLOCK + 1,
                                num_prompt_tokens=8 * BLOCK + 1)
@@ -730,10 +727,55 @@ def test_a_hit_on_a_disk_slower_than_the_model_is_what_memory_holds(tmp_path, se
         placement.close()
 
 
+def test_a_disk_hit_is_weighed_by_the_reads_its_load_makes(tmp_path):
+    """A full-attention group beside a 32-token sliding window: an 8-block prompt written
+    through to disk, then gone from memory are the window's first 6 blocks (only the test of
+    shorter hits reads them) and the last full block. A load of the whole prompt reads one
+    record from disk (the window's tail is in memory), 0.1 s at the disk's pace, well within 4
+    times the 0.128 s its 128 tokens take to compute: claimed. Counting every key of the
+    lookup on disk (7 records, 0.7 s) declined it."""
+    from kvstride.arena import ArenaPlacement
+    from kvstride.arena.disk_index import DiskIndex
+
+    groups = [kvstride.GroupSpec("full_attention", BLOCK), kvstride.GroupSpec("sliding_window", BLOCK, window=32)]
+    S, H = kvstride.resolve_block_sizes(groups)
+    planner = kvstride.KeyPlanner(groups, hash_block_size=H, scheduler_block_size=S,
+                                  namespace=kvstride.Namespace("disk-reads", fingerprint="00" * 8))
+    connector = ConnectorConfig({"store": "embedded"}, groups, "00" * 8, planner, [planner], 0, None,
+                                StoreChoice("embedded", 1, 32), 1)
+    clock = _Clock()
+    placement = ArenaPlacement(32, DiskIndex(32, str(tmp_path), {"record_bytes": 4096, "ranks": 1}), clock=clock)
+    side = SchedulerSide(connector, placement)
+    try:
+        hashes = _hashes(8, b"hybrid")
+        full = [planner.key(0, h) for h in hashes]
+        window = [planner.key(1, h) for h in hashes]
+        for depth, (f, w) in enumerate(zip(full, window)):  # saved, then written through
+            placement.place_saves([[(f, 0, depth), (w, 1, depth)]])
+            placement.saves_done([f, w], ok=True)
+            placement.disk_written({job: [1, 0] for job in placement.take_disk_writes()})
+        gone = window[:6] + full[7:]
+        placement.index.drop_slots([placement.index.slot(key) for key in gone])
+        assert all(placement.exists(full + window)) and not any(placement.index.exists(gone))
+        placement.read_admission.timed(4, 0.4)  # 0.1 s a record
+        for _ in range(3):  # prompt steps of 100 tokens, 0.1 s apart: 1,000 tokens a second
+            placement.read_admission.prompt_step(100, 1)
+            clock.now += 0.1
+        turn = SimpleNamespace(request_id="turn", block_hashes=hashes, num_tokens=8 * BLOCK + 1,
+                               num_prompt_tokens=8 * BLOCK + 1)
+        side.on_new_request(turn)
+        ext, _ = side.get_num_new_matched_tokens(turn, 0)
+        assert ext == 8 * BLOCK
+        assert side.counters.get("disk_hits_declined", 0) == 0
+    finally:
+        side.shutdown()
+        placement.close()
+
+
 def test_the_compute_pace_counts_prompt_steps_and_not_idle_time():
     """Prompt-chunk steps of 500 tokens, 0.5 s each: 1,000 tokens a second. A decode-only step
     (a token per request) and an idle minute before the next step change nothing."""
-    from kvstride.vllm.lookups import ComputePace
+    from kvstride.arena.read_admission import ComputePace
 
     clock = _Clock()
     pace = ComputePace(clock)

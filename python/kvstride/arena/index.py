@@ -4,12 +4,11 @@ wrote them (:mod:`kvstride.arena` says how the two sides fit). No bytes live her
 
 from __future__ import annotations
 
-import collections
-import statistics
 import time
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
+from kvstride.arena.read_admission import DiskReadAdmission
 from kvstride.capacity import PrefixOrder
 from kvstride.stores.placement import EVERY_RANK
 
@@ -42,19 +41,6 @@ DISK_IN_FLIGHT_START = 256
 #: The disk's rate is its completions over the steps it was busy, both decayed by this much a
 #: busy step (a window of about ten): a write that takes several steps measures its pace, not 0.
 DISK_RATE_DECAY = 0.1
-#: Read admission: a lookup claims keys on disk only while reading them, behind the reads in
-#: flight at the disk's measured read pace, takes at most ``DISK_READ_SLOWER`` times what vLLM
-#: would take to compute their tokens (``disk_read_admits``): a read a little slower than the
-#: compute still spares it for other requests; one far slower only makes the request wait. The pace is the median of the workers' last reports (one read that
-#: stalled, as a loop device or a busy drive does now and then, does not set it); it is
-#: measured by one load at a time before the first report, and again (whatever the estimate)
-#: after this many seconds without a read, so that a disk slow for a while is not written off.
-DISK_READ_PROBE_S = 5.0
-DISK_READ_SLOWER = 4.0
-#: Reads expected to end within this long are claimed whatever vLLM's pace: a step or two of
-#: waiting that spares the compute (a small model on a fast CPU computes faster than any disk).
-DISK_READ_CLAIMED_S = 0.05
-DISK_READ_PACES_KEPT = 16
 
 
 def slots_for(capacity_bytes: int, slot_bytes: int) -> int:
@@ -315,12 +301,12 @@ class ArenaPlacement:
     With a disk tier (``disk``, a :class:`kvstride.arena.disk_index.DiskIndex`) every value
     that becomes readable in memory is written through to a disk record (its slot held until
     every rank wrote it), a lookup sees both tiers, and a load of a key only on disk reads its
-    record into a newly reserved slot first (``disk_reads``): the key is then in memory again."""
+    record into a newly reserved slot first (``disk_reads``): the key is then in memory again.
+    Whether a lookup claims such keys is ``read_admission``'s (:mod:`kvstride.arena.read_admission`)."""
 
     def __init__(self, num_slots: int, disk=None, world_size: int = 1,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.index = SlotIndex(num_slots)
-        self.clock = clock
         self.disk = disk
         self.world_size = int(world_size)
         self._load_pins: Dict[str, List[int]] = {}  # req id -> slots pinned for its load
@@ -340,9 +326,8 @@ class ArenaPlacement:
         self._disk_busy_decayed = 0.0  # busy steps, decayed alike
         self._disk_busy = False  # records were in flight at the last step's start
         self._disk_cancelled: List[int] = []  # jobs given up, for the workers to drop
-        self._reads_in_flight = 0  # records loads are reading from disk
-        self._reads_changed_at = clock()  # when that last changed
-        self._read_paces: "collections.deque[float]" = collections.deque(maxlen=DISK_READ_PACES_KEPT)  # s a record
+        # Whether a lookup may claim keys only the disk holds (None without a disk tier).
+        self.read_admission = None if disk is None else DiskReadAdmission(clock)
         self.counts: Dict[str, int] = {}  # what the scheduler counts (take_counts)
 
     def exists(self, keys: Sequence[str]) -> List[bool]:
@@ -406,30 +391,6 @@ class ArenaPlacement:
             return DISK_IN_FLIGHT_START
         rate = self._disk_done_decayed / self._disk_busy_decayed  # records the disk completes a step
         return max(DISK_IN_FLIGHT_MIN, int(rate * DISK_BACKLOG_STEPS))
-
-    def disk_read_admits(self, records: int, compute_seconds: Optional[float]) -> bool:
-        """Whether a load may read ``records`` more from disk: behind the reads in flight, at
-        the disk's measured read pace, they end within ``DISK_READ_SLOWER`` times
-        ``compute_seconds`` (what vLLM would take to compute their tokens; None: not known yet,
-        admitted) or within ``DISK_READ_CLAIMED_S``. A disk far slower than the model then
-        serves the hits it can, and the rest are computed instead of waited for. Unmeasured, or
-        quiet for ``DISK_READ_PROBE_S``, one load at a time measures it."""
-        quiet = self._reads_in_flight == 0 and self.clock() - self._reads_changed_at >= DISK_READ_PROBE_S
-        if not self._read_paces or quiet:
-            return self._reads_in_flight == 0
-        expected = (self._reads_in_flight + records) * statistics.median(self._read_paces)
-        return compute_seconds is None or expected <= max(DISK_READ_SLOWER * compute_seconds, DISK_READ_CLAIMED_S)
-
-    def disk_read_timed(self, records: int, seconds: float) -> None:
-        """The workers read ``records`` from disk in ``seconds`` of their read lanes (summed
-        over ranks, each reading its own shard): the disk's read pace, without the steps a load
-        waits to be reported. A report of reads that all failed counts as one record."""
-        self._read_paces.append(seconds / max(1, records))
-
-    def _reads_change(self, records: int) -> None:
-        """Reads of ``records`` begin (> 0) or end (< 0)."""
-        self._reads_in_flight += records
-        self._reads_changed_at = self.clock()
 
     def take_counts(self) -> Dict[str, int]:
         counts, self.counts = self.counts, {}
@@ -548,7 +509,7 @@ class ArenaPlacement:
         reads = [(record, slot, key, group) for (key, group, _), record, slot in zip(from_disk, records, reserved)]
         self._load_pins[req_id] = slots
         self._disk_loads[req_id] = (disk_keys, records, reads)
-        self._reads_change(len(disk_keys))
+        self.read_admission.reads_change(len(disk_keys))
         return {EVERY_RANK: [(slot_of[key], group, block) for key, group, block in gets]}
 
     def disk_reads(self, req_id: str) -> list:
@@ -584,7 +545,7 @@ class ArenaPlacement:
         held = self._disk_loads.pop(req_id, None)
         if held is not None:
             keys, records, _ = held
-            self._reads_change(-len(keys))
+            self.read_admission.reads_change(-len(keys))
             (self.index.confirm if ok else self.index.abandon)(keys)
             self.disk.unpin(records)
 

@@ -21,7 +21,8 @@ need no put.
 
 With the embedded store's disk tier, a hit that needs keys only on disk is claimed only when
 the placement's read admission expects their reads to end before vLLM would compute their
-tokens (:class:`ComputePace`); else the hit is what memory alone serves (the core computes both).
+tokens (:mod:`kvstride.arena.read_admission`); else the hit is what memory alone serves (the core
+computes both, and which keys the load would read).
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ from typing import Callable, Dict, List, Optional
 
 import numpy as np
 
-__all__ = ["Lookups", "ComputePace", "REMOTE_HIT_VALIDITY_S", "LOOKUP_BATCH_TOKENS", "WRITTEN_MEMORY"]
+__all__ = ["Lookups", "REMOTE_HIT_VALIDITY_S", "LOOKUP_BATCH_TOKENS", "WRITTEN_MEMORY"]
 
 #: How long a shared store's answer stands for a request still waiting.
 REMOTE_HIT_VALIDITY_S = 1.0
@@ -45,43 +46,6 @@ LOOKUP_BATCH_TOKENS = 16384
 #: whose lookup came before they were written neither misses them nor puts them again: about
 #: 20 MiB.
 WRITTEN_MEMORY = 1 << 17
-
-
-class ComputePace:
-    """How fast vLLM computes prompt tokens, measured between the scheduler's steps: the tokens
-    of steps that computed a prompt chunk over the time until the next step, decayed by
-    ``DECAY`` a step. A gap far longer than the steps so far (the engine was idle) says nothing."""
-
-    DECAY = 0.1
-    IDLE_GAP = 4.0  # times the mean step: longer is idle time, not compute
-
-    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
-        self.clock = clock
-        self._last: Optional[float] = None
-        self._last_tokens = 0  # prompt-chunk steps only: 0 for a decode-only step
-        self._tokens = 0.0
-        self._seconds = 0.0
-        self._steps = 0.0
-
-    def step(self, scheduled_tokens: int, scheduled_requests: int) -> None:
-        """A scheduler step begins with these scheduled (more tokens than requests: a prompt chunk)."""
-        now = self.clock()
-        if self._last is not None and self._last_tokens:
-            took = now - self._last
-            mean = self._seconds / self._steps if self._steps else None
-            if mean is None or took <= max(1.0, self.IDLE_GAP * mean):
-                keep = 1.0 - self.DECAY
-                self._tokens = self._tokens * keep + self._last_tokens
-                self._seconds = self._seconds * keep + took
-                self._steps = self._steps * keep + 1.0
-        self._last = now
-        self._last_tokens = scheduled_tokens if scheduled_tokens > scheduled_requests else 0
-
-    def seconds(self, tokens: int) -> Optional[float]:
-        """What computing ``tokens`` takes at the measured pace (None before any prompt step)."""
-        if self._tokens <= 0:
-            return None
-        return tokens * self._seconds / self._tokens
 
 
 @dataclass
@@ -113,8 +77,7 @@ class Lookups:
         self.placement = placement
         self.batch_requests = max(1, int(batch_requests))
         self.clock = clock
-        self.compute_pace = ComputePace(clock)  # vLLM's prompt pace: what a disk read is weighed against
-        self._reads_disk = getattr(placement, "disk", None) is not None
+        self.read_admission = getattr(placement, "read_admission", None)  # with a disk tier
         self.count = count  # the side's counters: disk_hits_declined
         self.step = 0
         self._answers: Dict[str, _Answer] = {}  # req id -> its last answer, while it is needed
@@ -125,9 +88,10 @@ class Lookups:
 
     # ---- hits ---------------------------------------------------------------------------------
 
-    def hit(self, request, waiting: Dict[str, object], skip: Callable[[str], bool]) -> int:
+    def hit(self, request, waiting: Dict[str, object], skip: Callable[[str], bool], local_tokens: int = 0) -> int:
         """``request``'s hit: its standing answer, else the store's (for a shared store, in one
-        call with requests waiting behind it that have none and are not ``skip``-ped)."""
+        call with requests waiting behind it that have none and are not ``skip``-ped).
+        ``local_tokens``: what vLLM's own cache holds of it (a load reads none of those)."""
         rid = request.request_id
         if rid in self._standing:
             answer = self._answers[rid]
@@ -163,8 +127,9 @@ class Lookups:
             if bitmap is None:  # the store did not answer: nothing stands
                 self._standing.discard(other)
                 continue
-            if self._reads_disk and hits[other]:
-                hits[other] = self._within_disk_pace(planner, hashes, num_tokens, bitmap, hits[other])
+            if self.read_admission is not None and hits[other]:
+                local = int(local_tokens) if other == rid else 0
+                hits[other] = self._within_disk_pace(planner, hashes, num_tokens, bitmap, hits[other], local)
             # (A prompt shorter than one hash block has no key: an empty bitmap, of no dtype.)
             packed = np.packbits(np.asarray(bitmap, dtype=bool))
             self._answers[other] = _Answer(hits[other], len(hashes), num_tokens, packed, len(bitmap),
@@ -173,19 +138,33 @@ class Lookups:
             self._standing.add(other)
         return hits[rid]
 
-    def _within_disk_pace(self, planner, hashes, num_tokens: int, bitmap: List[bool], hit: int) -> int:
-        """``hit``, or the hit memory alone serves when reading its keys that are only on disk
-        would take longer than computing the tokens they add (every such key of the lookup
-        counts: a bound on what the load reads)."""
+    def _within_disk_pace(self, planner, hashes, num_tokens: int, bitmap: List[bool], hit: int,
+                          local_tokens: int) -> int:
+        """``hit``, or the hit memory alone serves when the read admission would not wait for
+        the keys its load reads from disk (those the load of ``hit`` after ``local_tokens``
+        gets and memory does not hold)."""
+        if local_tokens >= hit:
+            return hit
         in_memory = self.placement.index.exists(planner.lookup_keys(hashes, num_tokens))
-        on_disk = sum(found and not here for found, here in zip(bitmap, in_memory))
-        if not on_disk:
+        if all(here or not found for found, here in zip(bitmap, in_memory)):
             return hit
         memory_hit = planner.longest_hit_bitmap(hashes, num_tokens, [f and m for f, m in zip(bitmap, in_memory)])
-        if memory_hit >= hit or self.placement.disk_read_admits(on_disk, self.compute_pace.seconds(hit - memory_hit)):
+        if memory_hit >= hit:
+            return hit
+        records = self._disk_reads(planner, hashes, num_tokens, hit, local_tokens)
+        if not records or self.read_admission.claims(records, hit - max(memory_hit, local_tokens)):
             return hit
         self.count("disk_hits_declined")
         return memory_hit
+
+    def _disk_reads(self, planner, hashes, num_tokens: int, hit: int, local_tokens: int) -> int:
+        """How many values the load of ``hit`` after ``local_tokens`` reads from disk: the
+        core's load plan (block tables standing in for those vLLM allocates later), less what
+        memory holds."""
+        H = planner.hash_block_size
+        tables = [list(range(1, -(-num_tokens // (n * H)) + 1)) if n else [] for n in planner.hashes_per_block]
+        keys = list({key for key, _, _ in planner.plan_load(hashes, tables, hit, local_tokens=local_tokens).gets})
+        return sum(not here for here in self.placement.index.exists(keys))
 
     def _stands(self, answer: _Answer) -> bool:
         if self.placement.knows_contents:

@@ -157,7 +157,7 @@ class SchedulerSide(Outcomes):
             if self._disabled_ranks:  # a load would fail on those ranks: a miss, not a failure
                 self.count("lookups_store_disabled")
                 return 0, False
-            hit = self.lookups.hit(request, self._waiting, self._recompute.__contains__)
+            hit = self.lookups.hit(request, self._waiting, self._recompute.__contains__, num_computed_tokens)
             ext = max(0, int(hit) - int(num_computed_tokens))
             if ext:
                 self._local[rid] = int(num_computed_tokens)
@@ -196,7 +196,7 @@ class SchedulerSide(Outcomes):
             if isinstance(meta, KVStrideWorkerMetadata) and meta.disk_late:  # before the loads they failed
                 self.placement.disk_reads_late(meta.disk_late)
             if isinstance(meta, KVStrideWorkerMetadata) and meta.disk_read_pace[1] > 0:
-                self.placement.disk_read_timed(*meta.disk_read_pace)
+                self.placement.read_admission.timed(*meta.disk_read_pace)
             self._loads_reported(connector_output.finished_recving, connector_output.failed_recving)
             # vLLM asks again after a failed load; a store that failed once is not trusted for
             # the same request (the retry could fail the same way, forever).
@@ -235,8 +235,9 @@ class SchedulerSide(Outcomes):
         store with what the metadata names (O(blocks that move), never a hash or a table)."""
         self._step += 1
         self.lookups.step = self._step
-        scheduled = getattr(scheduler_output, "num_scheduled_tokens", None) or {}
-        self.lookups.compute_pace.step(sum(scheduled.values()), len(scheduled))
+        if self._disk_tier:  # the prompt pace the disk's reads are weighed against
+            scheduled = getattr(scheduler_output, "num_scheduled_tokens", None) or {}
+            self.placement.read_admission.prompt_step(sum(scheduled.values()), len(scheduled))
         self._abandon_stale_jobs()
         meta = KVStrideMetadata(failed_loads=sorted(self._failed_allocs))
         try:

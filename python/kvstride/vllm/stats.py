@@ -191,8 +191,8 @@ SERIES = {
     "loads_from_disk": ("vllm:kvstride_loads_from_disk", "Loads that read some blocks from the disk tier."),
     "disk_hits_declined": (
         "vllm:kvstride_disk_hits_declined",
-        "Lookups that claimed only what memory held: reading the rest from the disk tier would have taken longer "
-        "than computing it.",
+        "Lookups that claimed only what memory held: reading the rest from the disk tier was expected to take "
+        "over 4 times as long as computing it, and over 50 ms.",
     ),
     "disk_bytes_written": ("vllm:kvstride_disk_bytes_written", "Bytes written to the disk tier's records."),
     "disk_bytes_read": ("vllm:kvstride_disk_bytes_read", "Bytes read from the disk tier's records."),

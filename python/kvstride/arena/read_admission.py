@@ -1,0 +1,109 @@
+"""The disk tier's read admission, on vLLM's scheduler: whether a lookup may claim keys that
+only the disk holds, weighing their reads against what vLLM would take to compute their tokens.
+A disk far slower than the model then serves the hits it can, and the rest are computed instead
+of waited for (``disk_hits_declined``). No bytes and no keys live here: the placement tells it
+which reads begin and end, the workers how long their reads took, the scheduler each step."""
+
+from __future__ import annotations
+
+import collections
+import statistics
+import time
+from typing import Callable, Optional
+
+__all__ = ["ComputePace", "DiskReadAdmission", "DISK_READ_PROBE_S", "DISK_READ_SLOWER", "DISK_READ_CLAIMED_S"]
+
+#: A lookup claims keys on disk only while reading them, behind the reads in flight at the
+#: disk's measured read pace, takes at most this many times what vLLM would take to compute
+#: their tokens: a read a little slower than the compute still spares it for other requests;
+#: one far slower only makes the request wait.
+DISK_READ_SLOWER = 4.0
+#: Reads expected to end within this long are claimed whatever vLLM's pace: a step or two of
+#: waiting that spares the compute (a small model on a fast CPU computes faster than any disk).
+DISK_READ_CLAIMED_S = 0.05
+#: The read pace is measured by one load at a time before the first report, and again
+#: (whatever the estimate) after this many seconds without a read, so that a disk slow for a
+#: while is not written off.
+DISK_READ_PROBE_S = 5.0
+#: The pace is the median of the workers' last this many reports: one read that stalled, as a
+#: loop device or a busy drive does now and then, does not set it.
+DISK_READ_PACES_KEPT = 16
+
+
+class ComputePace:
+    """How fast vLLM computes prompt tokens, measured between the scheduler's steps: the tokens
+    of steps that computed a prompt chunk over the time until the next step, decayed by
+    ``DECAY`` a step. A gap far longer than the steps so far (the engine was idle) says nothing."""
+
+    DECAY = 0.1
+    IDLE_GAP = 4.0  # times the mean step: longer is idle time, not compute
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self.clock = clock
+        self._last: Optional[float] = None
+        self._last_tokens = 0  # prompt-chunk steps only: 0 for a decode-only step
+        self._tokens = 0.0
+        self._seconds = 0.0
+        self._steps = 0.0
+
+    def step(self, scheduled_tokens: int, scheduled_requests: int) -> None:
+        """A scheduler step begins with these scheduled (more tokens than requests: a prompt chunk)."""
+        now = self.clock()
+        if self._last is not None and self._last_tokens:
+            took = now - self._last
+            mean = self._seconds / self._steps if self._steps else None
+            if mean is None or took <= max(1.0, self.IDLE_GAP * mean):
+                keep = 1.0 - self.DECAY
+                self._tokens = self._tokens * keep + self._last_tokens
+                self._seconds = self._seconds * keep + took
+                self._steps = self._steps * keep + 1.0
+        self._last = now
+        self._last_tokens = scheduled_tokens if scheduled_tokens > scheduled_requests else 0
+
+    def seconds(self, tokens: int) -> Optional[float]:
+        """What computing ``tokens`` takes at the measured pace (None before any prompt step)."""
+        if self._tokens <= 0:
+            return None
+        return tokens * self._seconds / self._tokens
+
+
+class DiskReadAdmission:
+    """The read pace the workers report, the reads in flight, and vLLM's prompt pace: one
+    decision, ``claims``."""
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self.clock = clock
+        self.compute_pace = ComputePace(clock)
+        self._in_flight = 0  # records loads are reading from disk
+        self._changed_at = clock()  # when that last changed
+        self._paces: "collections.deque[float]" = collections.deque(maxlen=DISK_READ_PACES_KEPT)  # s a record
+
+    def claims(self, records: int, tokens: int) -> bool:
+        """Whether a load may read ``records`` more from disk instead of computing ``tokens``."""
+        return self.admits(records, self.compute_pace.seconds(tokens))
+
+    def admits(self, records: int, compute_seconds: Optional[float]) -> bool:
+        """Whether ``records`` read behind the reads in flight, at the measured read pace, end
+        within ``DISK_READ_SLOWER`` times ``compute_seconds`` (None: not known yet, admitted)
+        or within ``DISK_READ_CLAIMED_S``. Unmeasured, or quiet for ``DISK_READ_PROBE_S``, one
+        load at a time measures it."""
+        quiet = self._in_flight == 0 and self.clock() - self._changed_at >= DISK_READ_PROBE_S
+        if not self._paces or quiet:
+            return self._in_flight == 0
+        expected = (self._in_flight + records) * statistics.median(self._paces)
+        return compute_seconds is None or expected <= max(DISK_READ_SLOWER * compute_seconds, DISK_READ_CLAIMED_S)
+
+    def prompt_step(self, scheduled_tokens: int, scheduled_requests: int) -> None:
+        """A scheduler step begins (:meth:`ComputePace.step`)."""
+        self.compute_pace.step(scheduled_tokens, scheduled_requests)
+
+    def timed(self, records: int, seconds: float) -> None:
+        """The workers read ``records`` from disk in ``seconds`` of their read lanes (summed
+        over ranks, each reading its own shard): the disk's read pace, without the steps a load
+        waits to be reported. A report of reads that all failed counts as one record."""
+        self._paces.append(seconds / max(1, records))
+
+    def reads_change(self, records: int) -> None:
+        """Reads of ``records`` begin (> 0) or end (< 0)."""
+        self._in_flight += records
+        self._changed_at = self.clock()
