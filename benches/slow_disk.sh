@@ -59,7 +59,6 @@ echo "$device $rate" > "$group/blkio.throttle.read_bps_device"
 echo $$ > "$group/cgroup.procs"  # this shell and everything it starts from here on
 echo "# slow disk: ext4 on $loop ($device), reads and writes throttled to $rate_text/s (cgroup v1 blkio)"
 
-args=("$@")
 if [ "$serve" = 1 ]; then
     truncate -s 4G "$work/fast.img"
     fast_loop=$(losetup -f --show "$work/fast.img")
@@ -68,10 +67,11 @@ if [ "$serve" = 1 ]; then
     mount "$fast_loop" "$work/fast"
     chmod 700 "$work/fast"
     echo "# fast disk: ext4 on $fast_loop, unthrottled"
-    [ ${#args[@]} -gt 0 ] || args=(--models llama --cells none,kvstride-disk --workloads multi-turn,rag --reps 2)
-    "$python" benches/serve_gains.py --disk-path "$work/fast" --slow-disk-path "$work/mnt" "${args[@]}"
+    # The defaults first: an option given on the command line overrides its default.
+    "$python" benches/serve_gains.py --disk-path "$work/fast" --slow-disk-path "$work/mnt" \
+        --models llama --cells none,kvstride-disk --workloads multi-turn,rag --reps 2 "$@"
     exit
 fi
-[ ${#args[@]} -gt 0 ] || args=(--models gemma3,qwen3_next --prompts 48 --reps 5 --trials 3)
 "$python" benches/vllm_connectors.py --configs kvstride-embedded,kvstride-disk \
-    --kvstride-extra '{"store_bytes": "16MiB"}' --disk-path "$work/mnt" --disk-bytes 512MiB "${args[@]}"
+    --kvstride-extra '{"store_bytes": "16MiB"}' --disk-path "$work/mnt" --disk-bytes 512MiB \
+    --models gemma3,qwen3_next --prompts 48 --reps 5 --trials 3 "$@"
