@@ -307,3 +307,61 @@ def test_an_engine_killed_during_heavy_writes_leaves_no_wrong_byte(model_dirs, t
     assert not writer_counts.get("disk_writes_skipped"), writer_counts  # P1 and P2 written whole
     assert got_hits[-2] >= harness.PEER_HITS[name] and got_hits[-1] >= harness.PEER_HITS[name], got_hits
     assert harness.mismatches(dict(enumerate(got)), dict(enumerate(want))) == []
+
+
+def test_an_mla_engines_latents_survive_the_disk_and_a_restart_bit_for_bit(tmp_path):
+    """MLA (DeepSeek-V2's shape: one latent KV cache a layer). vLLM's CPU platform runs it
+    without prefix caching, so nothing is claimed here; its saves go on, through the disk tier.
+    A new engine on the same folder restores every record the first one wrote, and each reads
+    back into its arena, checked, exactly the bytes the first engine's arena held for its key;
+    both engines' outputs are a plain run's."""
+    model = harness.Model("deepseek_v2", harness.deepseek_v2, 16)
+    path = harness.deepseek_v2(tmp_path / "deepseek_v2")
+    folder = tmp_path / "disk"
+    folder.mkdir(mode=0o700)
+    config = {"store": "embedded", "store_bytes": "32MiB", "disk_path": str(folder), "disk_bytes": "128MiB"}
+    p1, p2 = harness.prompts()
+    plain = LLM(**harness.engine_kwargs(model, path))
+    try:
+        want = {"p1": harness.generate(plain, p1), "p2": harness.generate(plain, p2)}
+    finally:
+        harness.close(plain)
+
+    llm = LLM(**harness.engine_kwargs(model, path, connector=config))
+    try:
+        sched, worker = _connectors(llm)
+        got = {"p1": harness.generate(llm, p1), "p2": harness.generate(llm, p2)}
+        harness.drain_and_forget(llm, 1)
+        deadline = time.monotonic() + 60
+        while sched.placement._disk_in_flight and time.monotonic() < deadline:  # the write-through ends
+            llm.llm_engine.step()
+            time.sleep(0.01)
+        keys = [key for key, _ in sched.placement.disk.rows()]
+        arena = worker.store.arena
+        slots = arena.buffer.numpy().reshape(-1, arena.slot_bytes)
+        written = {}
+        for key in keys:
+            slot = sched.placement.index.slot(key)
+            written[key] = (int(arena.slot_group[slot]), slots[slot, : int(arena.block_bytes[arena.slot_group[slot]])].copy())
+        counters = {**sched.counters, **worker.counters}
+    finally:
+        harness.close(llm)
+        kv_vllm.drop_shared_stores()
+    assert sched.matched_tokens == 0 and len(written) >= harness.PROMPT_TOKENS // model.block_size - 1, counters
+    assert harness.mismatches(got, want) == []
+
+    llm = LLM(**harness.engine_kwargs(model, path, connector=config))
+    try:
+        sched, worker = _connectors(llm)
+        assert sched.placement.disk.restored == len(written)
+        arena, records = worker.store.arena, worker.store.disk.records
+        slots = arena.buffer.numpy().reshape(-1, arena.slot_bytes)
+        for key, record in sched.placement.disk.rows():  # into slot 0 of the new engine's empty arena
+            group, value = written[key]
+            assert records.read(record, 0, key, group), key
+            assert np.array_equal(slots[0, : len(value)], value), key
+        again = {"p2": harness.generate(llm, p2)}
+    finally:
+        harness.close(llm)
+        kv_vllm.drop_shared_stores()
+    assert harness.mismatches(again, {"p2": want["p2"]}) == []

@@ -20,9 +20,9 @@ What the store held at a request's lookup is kept as a bitmap over the core's lo
 need no put.
 
 With the embedded store's disk tier, a hit that needs keys only on disk is claimed only when
-the placement's read admission expects their reads to end before vLLM would compute their
-tokens (:mod:`kvstride.arena.read_admission`); else the hit is what memory alone serves (the core
-computes both, and which keys the load would read).
+the placement's read admission (:mod:`kvstride.arena.read_admission`) weighs the reads its load
+makes as worth waiting for against vLLM computing their tokens; else the hit is what memory
+alone serves (the core computes both hits, and which keys the load reads).
 """
 
 from __future__ import annotations
