@@ -581,6 +581,7 @@ def main() -> int:
                     help="VLLM_CPU_NUM_OF_RESERVED_CPU for every cell (cores kept from the model's threads)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", help="write every figure and verdict here")
+    ap.add_argument("--keep-logs", action="store_true", help="keep the servers' logs and the clients' results")
     args = ap.parse_args()
     if args.quick and args.smoke:
         ap.error("--quick and --smoke: one of them")
@@ -655,7 +656,7 @@ def main() -> int:
     finally:
         if args.json:
             Path(args.json).write_text(json.dumps(report, indent=1) + "\n")
-        if failed or any("error" in rows for m in report["models"].values() for rows in m["cells"].values()):
+        if args.keep_logs or failed or any("error" in rows for m in report["models"].values() for rows in m["cells"].values()):
             print(f"logs kept in {scratch}")
         else:
             shutil.rmtree(scratch, ignore_errors=True)
