@@ -55,8 +55,9 @@ def test_a_record_reads_back_into_another_slot_bit_for_bit(tmp_path):
         kv["attn"][9].zero_()
         slots.disk.read("r", [(5, 2, "key-a", 0)])
         assert _wait(slots.disk) == ({}, {"r": (True, [])})
-        records, seconds = slots.disk.take_read_pace()  # for the scheduler's read admission
-        assert records == 1 and seconds > 0 and slots.disk.take_read_pace() == (0, 0.0)
+        read, read_seconds, written, write_seconds = slots.disk.take_paces()  # for the read admission
+        assert read == 1 and read_seconds > 0 and written == 1 and write_seconds > 0
+        assert slots.disk.take_paces() == (0, 0.0, 0, 0.0)
         assert slots.load_blocks([2], [0], [9]) == [Status.OK]
         assert torch.equal(kv["attn"][9], want)
     finally:
@@ -784,7 +785,7 @@ def test_disk_reads_are_measured_one_load_at_a_time_then_admitted_by_their_pace(
     """Before the workers reported a read, one load reads from disk at a time; the median of
     their reported paces then decides (4 records in 2 s of their read lanes: 0.5 s a record,
     admitted where computing takes at least a quarter of that; one stalled report does not move
-    it), and after 5 quiet seconds one load measures it again."""
+    it), and after 5 quiet seconds (no write-through timed either) one load measures it again."""
     now = [100.0]
     placement = ArenaPlacement(8, _index(tmp_path), clock=lambda: now[0])
     try:
@@ -806,5 +807,40 @@ def test_disk_reads_are_measured_one_load_at_a_time_then_admitted_by_their_pace(
         assert placement.read_admission.admits(4, compute_seconds=0.5)
         now[0] += 5.0
         assert placement.read_admission.admits(4, compute_seconds=0.1)  # quiet 5 s: measured again
+    finally:
+        placement.close()
+
+
+def test_the_write_through_pace_stands_in_for_reads_not_measured_or_stale(tmp_path):
+    """A disk whose writes take 0.25 s a record (2 MiB/s for the Llama shape's records) is as
+    slow to read before any read was timed: a load is not claimed for a measure (under
+    ``vllm serve`` each such measure made a request wait seconds for its first token). Reads
+    timed fast decide while fresh; 5 quiet seconds later the writes' pace decides again, and a
+    new read's measure replaces the old ones."""
+    now = [100.0]
+    placement = ArenaPlacement(8, _index(tmp_path), clock=lambda: now[0])
+    admission = placement.read_admission
+    try:
+        for key in ("a", "b", "c", "d"):
+            placement.place_saves([[(key, 0, 0)]])
+            placement.saves_done([key], ok=True)
+            placement.disk_written({job: [1, 0] for job in placement.take_disk_writes()})
+        placement.index.drop_slots([placement.index.slot(key) for key in ("a", "b", "c", "d")])
+        admission.timed(0, 0.0, 4, 1.0)  # the write lane: 4 records in 1 s
+        assert admission.pace() == 0.25
+        assert not admission.admits(4, compute_seconds=0.2)  # 1 s of reads against 0.8 s
+        assert admission.admits(4, compute_seconds=0.25)
+        assert placement.place_load("first", [[(k, 0, n) for n, k in enumerate("abcd")]]) is not None
+        admission.timed(4, 0.04)  # the reads were fast
+        placement.load_done("first", ok=True)
+        assert admission.pace() == 0.01 and admission.admits(4, compute_seconds=0.01)
+        now[0] += 5.0  # stale: the writes' pace again
+        assert admission.pace() == 0.25 and not admission.admits(4, compute_seconds=0.01)
+        assert admission.admits(4, compute_seconds=0.25)
+        placement.index.drop_slots([placement.index.slot(key) for key in ("a", "b", "c", "d")])  # evicted again
+        assert placement.place_load("again", [[(k, 0, n) for n, k in enumerate("abcd")]]) is not None
+        admission.timed(4, 0.4)
+        placement.load_done("again", ok=True)
+        assert admission.pace() == 0.1  # the new measure alone, not the median with the old one
     finally:
         placement.close()

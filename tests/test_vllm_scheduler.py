@@ -712,7 +712,7 @@ def test_a_hit_on_a_disk_slower_than_the_model_is_what_memory_holds(tmp_path, se
         # The disk's read pace, as the workers' read lanes report it (update_connector_output).
         side.update_connector_output(SimpleNamespace(finished_recving=set(), failed_recving=set(),
                                                      kv_connector_worker_meta=KVStrideWorkerMetadata(
-                                                         disk_read_pace=[4, 4 * seconds_a_record])))
+                                                         disk_paces=[4, 4 * seconds_a_record, 0, 0.0])))
         for _ in range(3):  # prompt steps of 100 tokens, 0.1 s apart
             placement.read_admission.prompt_step(100, 1)
             clock.now += 0.1

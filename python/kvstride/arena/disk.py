@@ -329,7 +329,9 @@ class DiskLane:
         self._queued: set = set()  # write jobs not begun
         self._cancelled: set = set()  # of those, the ones the scheduler gave up
         self._dropped = 0  # write jobs dropped unwritten since the last take
-        self._read_pace = [0, 0.0]  # records read and the read lane's seconds, since the last take
+        # Records read and the read lane's seconds, records written and the write lane's, since
+        # the last take: the disk's paces, for the scheduler's read admission.
+        self._paces = [0, 0.0, 0, 0.0]
 
     def write(self, job_id: int, entries: Sequence[Tuple[int, int, str]]) -> None:
         """Write ``(slot, record, key)`` entries (the scheduler keeps their slots until reported)."""
@@ -340,13 +342,16 @@ class DiskLane:
                     self._cancelled.discard(job_id)
                     self._dropped += 1
                     return
+            started = time.perf_counter()
             try:
-                ok = all(list(self._write_io.map(lambda e: self.records.write(*e), entries)))
+                oks = list(self._write_io.map(lambda e: self.records.write(*e), entries))
             except Exception as err:  # never into vLLM's step: the job fails
                 log.warning("kvstride: a disk-tier write job failed: %r", err)
-                ok = False
+                oks = [False]
             with self._lock:
-                self._written[job_id] = ok
+                self._written[job_id] = all(oks)
+                self._paces[2] += sum(oks)
+                self._paces[3] += time.perf_counter() - started
 
         with self._lock:
             self._queued.add(job_id)
@@ -369,8 +374,8 @@ class DiskLane:
             bad = [int(e[0]) for e, ok in zip(entries, oks) if not ok]
             with self._lock:
                 self._read[req_id] = (not bad, bad)
-                self._read_pace[0] += len(entries) - len(bad)
-                self._read_pace[1] += time.perf_counter() - started
+                self._paces[0] += len(entries) - len(bad)
+                self._paces[1] += time.perf_counter() - started
 
         self._read_lane.submit(run)
 
@@ -385,12 +390,13 @@ class DiskLane:
             counted["disk_writes_dropped"] = dropped
         return written, read, counted
 
-    def take_read_pace(self) -> Tuple[int, float]:
-        """(records read, seconds the read lane spent on its jobs) since the last call: the
-        disk's read pace, without the steps a load waits to be reported."""
+    def take_paces(self) -> Tuple[int, float, int, float]:
+        """(records read, seconds the read lane spent on its jobs, records written, seconds the
+        write lane spent on its jobs) since the last call: the disk's paces, without the steps
+        a job waits to be reported."""
         with self._lock:
-            (records, seconds), self._read_pace = self._read_pace, [0, 0.0]
-        return records, seconds
+            paces, self._paces = self._paces, [0, 0.0, 0, 0.0]
+        return tuple(paces)
 
     def shutdown(self) -> None:
         """Finish what was submitted, then close the file."""

@@ -11,7 +11,7 @@ import statistics
 import time
 from typing import Callable, Optional
 
-__all__ = ["ComputePace", "DiskReadAdmission", "DISK_READ_PROBE_S", "DISK_READ_SLOWER", "DISK_READ_CLAIMED_S"]
+__all__ = ["ComputePace", "DiskReadAdmission", "DISK_READ_PACE_STALE_S", "DISK_READ_SLOWER", "DISK_READ_CLAIMED_S"]
 
 #: A lookup claims keys on disk only while reading them, behind the reads in flight at the
 #: disk's measured read pace, takes at most this many times what vLLM would take to compute
@@ -21,13 +21,14 @@ DISK_READ_SLOWER = 4.0
 #: Reads expected to end within this long are claimed whatever vLLM's pace: a step or two of
 #: waiting that spares the compute (a small model on a fast CPU computes faster than any disk).
 DISK_READ_CLAIMED_S = 0.05
-#: The read pace is measured by one load at a time before the first report, and again
-#: (whatever the estimate) after this many seconds without a read, so that a disk slow for a
-#: while is not written off.
-DISK_READ_PROBE_S = 5.0
-#: The pace is the median of the workers' last this many reports: one read that stalled, as a
-#: loop device or a busy drive does now and then, does not set it.
-DISK_READ_PACES_KEPT = 16
+#: The read pace is the median of the workers' last ``DISK_PACES_KEPT`` reports of their read
+#: lanes (one read that stalled, as a loop device or a busy drive does now and then, does not set
+#: it). After this many seconds without a read it is stale (a disk slow for a while is not
+#: written off): then, as before the first read, the write-through's pace stands in for it (the
+#: same disk, measured all along, and seldom faster at writing than at reading); with neither,
+#: one load at a time measures it.
+DISK_READ_PACE_STALE_S = 5.0
+DISK_PACES_KEPT = 16
 
 
 class ComputePace:
@@ -68,7 +69,7 @@ class ComputePace:
 
 
 class DiskReadAdmission:
-    """The read pace the workers report, the reads in flight, and vLLM's prompt pace: one
+    """The paces the workers report, the reads in flight, and vLLM's prompt pace: one
     decision, ``claims``."""
 
     def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
@@ -76,34 +77,52 @@ class DiskReadAdmission:
         self.compute_pace = ComputePace(clock)
         self._in_flight = 0  # records loads are reading from disk
         self._changed_at = clock()  # when that last changed
-        self._paces: "collections.deque[float]" = collections.deque(maxlen=DISK_READ_PACES_KEPT)  # s a record
+        # Seconds a record, of the workers' reads and of their writes.
+        self._read_paces: "collections.deque[float]" = collections.deque(maxlen=DISK_PACES_KEPT)
+        self._write_paces: "collections.deque[float]" = collections.deque(maxlen=DISK_PACES_KEPT)
 
     def claims(self, records: int, tokens: int) -> bool:
         """Whether a load may read ``records`` more from disk instead of computing ``tokens``."""
         return self.admits(records, self.compute_pace.seconds(tokens))
 
     def admits(self, records: int, compute_seconds: Optional[float]) -> bool:
-        """Whether ``records`` read behind the reads in flight, at the measured read pace, end
-        within ``DISK_READ_SLOWER`` times ``compute_seconds`` (None: not known yet, admitted)
-        or within ``DISK_READ_CLAIMED_S``. Unmeasured, or quiet for ``DISK_READ_PROBE_S``, one
-        load at a time measures it."""
-        quiet = self._in_flight == 0 and self.clock() - self._changed_at >= DISK_READ_PROBE_S
-        if not self._paces or quiet:
+        """Whether ``records`` read behind the reads in flight, at the disk's pace, end within
+        ``DISK_READ_SLOWER`` times ``compute_seconds`` (None: not known yet, admitted) or
+        within ``DISK_READ_CLAIMED_S``. With no pace, one load at a time measures it."""
+        pace = self.pace()
+        if pace is None:
             return self._in_flight == 0
-        expected = (self._in_flight + records) * statistics.median(self._paces)
+        expected = (self._in_flight + records) * pace
         return compute_seconds is None or expected <= max(DISK_READ_SLOWER * compute_seconds, DISK_READ_CLAIMED_S)
+
+    def pace(self) -> Optional[float]:
+        """Seconds a record read takes: the reads' pace while it is fresh, else the writes'."""
+        if self._read_paces and not self._stale():
+            return statistics.median(self._read_paces)
+        if self._write_paces:
+            return statistics.median(self._write_paces)
+        return None
+
+    def _stale(self) -> bool:
+        return self._in_flight == 0 and self.clock() - self._changed_at >= DISK_READ_PACE_STALE_S
 
     def prompt_step(self, scheduled_tokens: int, scheduled_requests: int) -> None:
         """A scheduler step begins (:meth:`ComputePace.step`)."""
         self.compute_pace.step(scheduled_tokens, scheduled_requests)
 
-    def timed(self, records: int, seconds: float) -> None:
-        """The workers read ``records`` from disk in ``seconds`` of their read lanes (summed
-        over ranks, each reading its own shard): the disk's read pace, without the steps a load
-        waits to be reported. A report of reads that all failed counts as one record."""
-        self._paces.append(seconds / max(1, records))
+    def timed(self, read: int, read_seconds: float, written: int = 0, write_seconds: float = 0.0) -> None:
+        """The workers read ``read`` records in ``read_seconds`` of their read lanes and wrote
+        ``written`` in ``write_seconds`` of their write lanes (summed over ranks, each its own
+        shard): the disk's paces, without the steps a job waits to be reported. A report of
+        jobs that all failed counts as one record."""
+        if read_seconds > 0:
+            self._read_paces.append(read_seconds / max(1, read))
+        if write_seconds > 0:
+            self._write_paces.append(write_seconds / max(1, written))
 
     def reads_change(self, records: int) -> None:
         """Reads of ``records`` begin (> 0) or end (< 0)."""
+        if records > 0 and self._stale():  # a new measure: what was measured before is gone
+            self._read_paces.clear()
         self._in_flight += records
         self._changed_at = self.clock()

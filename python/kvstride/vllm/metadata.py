@@ -47,7 +47,8 @@ class KVStrideWorkerMetadata(KVConnectorWorkerMetadata):
     reads rejected; and per load from disk, [ranks whose reads passed the load's deadline,
     ranks whose late reads have ended since] (its slots are written until they all ended); per
     TP rank whose store was disabled or came back since its last report, whether it is disabled;
-    [records read from the disk tier, the seconds its read lane took], summed over ranks."""
+    [records read from the disk tier, the seconds its read lane took, records written to it, the
+    seconds its write lane took], summed over ranks."""
 
     saves: Dict[int, List[int]] = field(default_factory=dict)
     corrupt: List = field(default_factory=list)
@@ -55,14 +56,14 @@ class KVStrideWorkerMetadata(KVConnectorWorkerMetadata):
     disk_corrupt: List[int] = field(default_factory=list)
     disk_late: Dict[str, List[int]] = field(default_factory=dict)
     store_disabled: Dict[int, bool] = field(default_factory=dict)
-    disk_read_pace: List[float] = field(default_factory=lambda: [0, 0.0])
+    disk_paces: List[float] = field(default_factory=lambda: [0, 0.0, 0, 0.0])
 
     def aggregate(self, other: "KVStrideWorkerMetadata") -> "KVStrideWorkerMetadata":
         return KVStrideWorkerMetadata(_summed(self.saves, other.saves, 3), self.corrupt + other.corrupt,
                                       _summed(self.disk, other.disk, 2), self.disk_corrupt + other.disk_corrupt,
                                       _summed(self.disk_late, other.disk_late, 2),
                                       {**self.store_disabled, **other.store_disabled},
-                                      [a + b for a, b in zip(self.disk_read_pace, other.disk_read_pace)])
+                                      [a + b for a, b in zip(self.disk_paces, other.disk_paces)])
 
 
 def _summed(mine: Dict, theirs: Dict, width: int) -> Dict:

@@ -195,8 +195,8 @@ class SchedulerSide(Outcomes):
                 self._store_states(meta.store_disabled)
             if isinstance(meta, KVStrideWorkerMetadata) and meta.disk_late:  # before the loads they failed
                 self.placement.disk_reads_late(meta.disk_late)
-            if isinstance(meta, KVStrideWorkerMetadata) and meta.disk_read_pace[1] > 0:
-                self.placement.read_admission.timed(*meta.disk_read_pace)
+            if isinstance(meta, KVStrideWorkerMetadata) and any(meta.disk_paces):
+                self.placement.read_admission.timed(*meta.disk_paces)
             self._loads_reported(connector_output.finished_recving, connector_output.failed_recving)
             # vLLM asks again after a failed load; a store that failed once is not trusted for
             # the same request (the retry could fail the same way, forever).

@@ -92,7 +92,7 @@ class WorkerSide(Outcomes):
         self._disk_reports: Dict[int, List[int]] = {}
         self._disk_corrupt: List[int] = []
         self._disk_late: Dict[str, List[int]] = {}
-        self._disk_read_pace = [0, 0.0]  # records read from disk and the seconds it took, since reported
+        self._disk_paces = [0, 0.0, 0, 0.0]  # the disk lane's (DiskLane.take_paces), since reported
         self._layout: Optional[KVLayout] = None  # once the KV caches are registered
         self._store_disabled = False  # the store refused this worker: every request recomputes
         self._store_retry_at = 0.0
@@ -238,8 +238,7 @@ class WorkerSide(Outcomes):
         if disk is None:
             return
         written, read, counted = disk.take()
-        records, seconds = disk.take_read_pace()
-        self._disk_read_pace = [self._disk_read_pace[0] + records, self._disk_read_pace[1] + seconds]
+        self._disk_paces = [a + b for a, b in zip(self._disk_paces, disk.take_paces())]
         for name, n in counted.items():
             self.count(name, n)
         for job_id, ok in written.items():
@@ -322,7 +321,7 @@ class WorkerSide(Outcomes):
 
     def build_connector_worker_meta(self) -> Optional[KVStrideWorkerMetadata]:
         if not (self._job_reports or self._corrupt or self._disk_reports or self._disk_corrupt or self._disk_late
-                or self._store_reports or self._disk_read_pace[1]):
+                or self._store_reports or any(self._disk_paces)):
             return None
         reports, self._job_reports = self._job_reports, {}
         corrupt, self._corrupt = self._corrupt, []
@@ -330,5 +329,5 @@ class WorkerSide(Outcomes):
         disk_corrupt, self._disk_corrupt = self._disk_corrupt, []
         disk_late, self._disk_late = self._disk_late, {}
         store_states, self._store_reports = self._store_reports, {}
-        read_pace, self._disk_read_pace = self._disk_read_pace, [0, 0.0]
-        return KVStrideWorkerMetadata(reports, corrupt, disk, disk_corrupt, disk_late, store_states, read_pace)
+        paces, self._disk_paces = self._disk_paces, [0, 0.0, 0, 0.0]
+        return KVStrideWorkerMetadata(reports, corrupt, disk, disk_corrupt, disk_late, store_states, paces)
