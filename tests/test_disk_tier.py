@@ -811,12 +811,12 @@ def test_disk_reads_are_measured_one_load_at_a_time_then_admitted_by_their_pace(
         placement.close()
 
 
-def test_the_write_through_pace_stands_in_for_reads_not_measured_or_stale(tmp_path):
-    """A disk whose writes take 0.25 s a record (2 MiB/s for the Llama shape's records) is as
-    slow to read before any read was timed: a load is not claimed for a measure (under
-    ``vllm serve`` each such measure made a request wait seconds for its first token). Reads
-    timed fast decide while fresh; 5 quiet seconds later the writes' pace decides again, and a
-    new read's measure replaces the old ones."""
+def test_a_load_that_measures_the_disk_must_pass_at_the_write_through_pace(tmp_path):
+    """Reads not yet timed, or stale, are measured by one load at a time; that load is claimed
+    only if it passes at the pace of the write-through on the same disk (0.25 s a record here:
+    2 MiB/s for the Llama shape's records). Under ``vllm serve`` on a 2 MiB/s disk each such
+    measure held a request 4-8 s before its first token, every 5 quiet seconds. Reads timed
+    fast then decide; 5 quiet seconds later a new measure replaces them."""
     now = [100.0]
     placement = ArenaPlacement(8, _index(tmp_path), clock=lambda: now[0])
     admission = placement.read_admission
@@ -825,22 +825,22 @@ def test_the_write_through_pace_stands_in_for_reads_not_measured_or_stale(tmp_pa
             placement.place_saves([[(key, 0, 0)]])
             placement.saves_done([key], ok=True)
             placement.disk_written({job: [1, 0] for job in placement.take_disk_writes()})
-        placement.index.drop_slots([placement.index.slot(key) for key in ("a", "b", "c", "d")])
         admission.timed(0, 0.0, 4, 1.0)  # the write lane: 4 records in 1 s
-        assert admission.pace() == 0.25
         assert not admission.admits(4, compute_seconds=0.2)  # 1 s of reads against 0.8 s
         assert admission.admits(4, compute_seconds=0.25)
+        placement.index.drop_slots([placement.index.slot(key) for key in ("a", "b", "c", "d")])
         assert placement.place_load("first", [[(k, 0, n) for n, k in enumerate("abcd")]]) is not None
-        admission.timed(4, 0.04)  # the reads were fast
+        assert not admission.admits(1, compute_seconds=100.0)  # one measure at a time
+        admission.timed(4, 0.04)  # the reads were fast: 0.01 s a record
         placement.load_done("first", ok=True)
-        assert admission.pace() == 0.01 and admission.admits(4, compute_seconds=0.01)
-        now[0] += 5.0  # stale: the writes' pace again
-        assert admission.pace() == 0.25 and not admission.admits(4, compute_seconds=0.01)
-        assert admission.admits(4, compute_seconds=0.25)
-        placement.index.drop_slots([placement.index.slot(key) for key in ("a", "b", "c", "d")])  # evicted again
+        assert admission.admits(4, compute_seconds=0.01) and admission.admits(40, compute_seconds=0.1)
+        now[0] += 5.0  # stale: measured again, if the write-through's pace lets it
+        assert not admission.admits(4, compute_seconds=0.01) and admission.admits(4, compute_seconds=0.25)
+        placement.index.drop_slots([placement.index.slot(key) for key in ("a", "b", "c", "d")])
         assert placement.place_load("again", [[(k, 0, n) for n, k in enumerate("abcd")]]) is not None
-        admission.timed(4, 0.4)
+        admission.timed(4, 0.4)  # 0.1 s a record now
         placement.load_done("again", ok=True)
-        assert admission.pace() == 0.1  # the new measure alone, not the median with the old one
+        assert not admission.admits(4, compute_seconds=0.09)  # the new measure alone decides
+        assert admission.admits(4, compute_seconds=0.1)
     finally:
         placement.close()

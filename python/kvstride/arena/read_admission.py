@@ -23,10 +23,10 @@ DISK_READ_SLOWER = 4.0
 DISK_READ_CLAIMED_S = 0.05
 #: The read pace is the median of the workers' last ``DISK_PACES_KEPT`` reports of their read
 #: lanes (one read that stalled, as a loop device or a busy drive does now and then, does not set
-#: it). After this many seconds without a read it is stale (a disk slow for a while is not
-#: written off): then, as before the first read, the write-through's pace stands in for it (the
-#: same disk, measured all along, and seldom faster at writing than at reading); with neither,
-#: one load at a time measures it.
+#: it). Before the first read, and after this many seconds without one (a disk slow for a while
+#: is not written off), one load at a time measures it: unless the write-through's pace on the
+#: same disk (measured all along, and seldom faster than its reads) says that load would not be
+#: claimed either, so that no request waits on a slow disk only to measure it.
 DISK_READ_PACE_STALE_S = 5.0
 DISK_PACES_KEPT = 16
 
@@ -86,22 +86,18 @@ class DiskReadAdmission:
         return self.admits(records, self.compute_pace.seconds(tokens))
 
     def admits(self, records: int, compute_seconds: Optional[float]) -> bool:
-        """Whether ``records`` read behind the reads in flight, at the disk's pace, end within
-        ``DISK_READ_SLOWER`` times ``compute_seconds`` (None: not known yet, admitted) or
-        within ``DISK_READ_CLAIMED_S``. With no pace, one load at a time measures it."""
-        pace = self.pace()
-        if pace is None:
-            return self._in_flight == 0
-        expected = (self._in_flight + records) * pace
-        return compute_seconds is None or expected <= max(DISK_READ_SLOWER * compute_seconds, DISK_READ_CLAIMED_S)
-
-    def pace(self) -> Optional[float]:
-        """Seconds a record read takes: the reads' pace while it is fresh, else the writes'."""
+        """Whether ``records`` read behind the reads in flight, at the disk's read pace, end
+        within ``DISK_READ_SLOWER`` times ``compute_seconds`` (None: not known yet, admitted)
+        or within ``DISK_READ_CLAIMED_S``. With no fresh read pace, one load at a time measures
+        it, unless at the write-through's pace it would not end in that time either."""
+        if compute_seconds is None:
+            return self._in_flight == 0 or bool(self._read_paces and not self._stale())
+        bound = max(DISK_READ_SLOWER * compute_seconds, DISK_READ_CLAIMED_S)
         if self._read_paces and not self._stale():
-            return statistics.median(self._read_paces)
-        if self._write_paces:
-            return statistics.median(self._write_paces)
-        return None
+            return (self._in_flight + records) * statistics.median(self._read_paces) <= bound
+        if self._in_flight:
+            return False
+        return not self._write_paces or records * statistics.median(self._write_paces) <= bound
 
     def _stale(self) -> bool:
         return self._in_flight == 0 and self.clock() - self._changed_at >= DISK_READ_PACE_STALE_S
