@@ -842,5 +842,10 @@ def test_a_load_that_measures_the_disk_must_pass_at_the_write_through_pace(tmp_p
         placement.load_done("again", ok=True)
         assert not admission.admits(4, compute_seconds=0.09)  # the new measure alone decides
         assert admission.admits(4, compute_seconds=0.1)
+        assert admission.read_deadline(1000) is None  # vLLM's pace not known: load_timeout_s
+        for _ in range(3):  # prompt steps of 1,000 tokens a second
+            admission.prompt_step(100, 1)
+            now[0] += 0.1
+        assert admission.read_deadline(1000) == pytest.approx(4.0) and admission.read_deadline(10) == 2.0
     finally:
         placement.close()

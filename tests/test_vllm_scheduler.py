@@ -722,6 +722,13 @@ def test_a_hit_on_a_disk_slower_than_the_model_is_what_memory_holds(tmp_path, se
         ext, _ = side.get_num_new_matched_tokens(turn, 0)
         assert ext == (8 if claims_disk else 4) * BLOCK
         assert side.counters["disk_hits_declined"] == (0 if claims_disk else 1)
+        if claims_disk:  # its reads may take what computing its 128 tokens would, 4 times, or 2 s
+            side.update_state_after_alloc(turn, SimpleNamespace(get_block_ids=lambda: [list(range(1, 10))]), ext)
+            meta = side.build_connector_meta(SimpleNamespace(
+                scheduled_new_reqs=[], scheduled_cached_reqs=SimpleNamespace(req_ids=[], num_computed_tokens=[], new_block_ids=[]),
+                num_scheduled_tokens={}, kv_connector_block_state=None, preempted_req_ids=set(), finished_req_ids=set()))
+            assert [read[2] for read in meta.disk_reads["turn"]] == keys[4:]
+            assert meta.disk_read_deadlines == {"turn": 2.0}
     finally:
         side.shutdown()
         placement.close()

@@ -11,7 +11,8 @@ import statistics
 import time
 from typing import Callable, Optional
 
-__all__ = ["ComputePace", "DiskReadAdmission", "DISK_READ_PACE_STALE_S", "DISK_READ_SLOWER", "DISK_READ_CLAIMED_S"]
+__all__ = ["ComputePace", "DiskReadAdmission", "DISK_READ_PACE_STALE_S", "DISK_READ_SLOWER", "DISK_READ_CLAIMED_S",
+           "DISK_READ_DEADLINE_MIN_S"]
 
 #: A lookup claims keys on disk only while reading them, behind the reads in flight at the
 #: disk's measured read pace, takes at most this many times what vLLM would take to compute
@@ -21,6 +22,10 @@ DISK_READ_SLOWER = 4.0
 #: Reads expected to end within this long are claimed whatever vLLM's pace: a step or two of
 #: waiting that spares the compute (a small model on a fast CPU computes faster than any disk).
 DISK_READ_CLAIMED_S = 0.05
+#: A load's reads from disk that take longer than ``DISK_READ_SLOWER`` times computing its
+#: tokens, and longer than this, are given up: the request recomputes (a read stalled behind a
+#: busy drive's writes would otherwise hold it until ``load_timeout_s``).
+DISK_READ_DEADLINE_MIN_S = 2.0
 #: The read pace is the median of the workers' last ``DISK_PACES_KEPT`` reports of their read
 #: lanes (one read that stalled, as a loop device or a busy drive does now and then, does not set
 #: it). Before the first read, and after this many seconds without one (a disk slow for a while
@@ -101,6 +106,12 @@ class DiskReadAdmission:
 
     def _stale(self) -> bool:
         return self._in_flight == 0 and self.clock() - self._changed_at >= DISK_READ_PACE_STALE_S
+
+    def read_deadline(self, tokens: int) -> Optional[float]:
+        """How long a load's reads from disk may take, sparing the compute of ``tokens``,
+        before its request recomputes instead (None: vLLM's pace not known yet)."""
+        seconds = self.compute_pace.seconds(tokens)
+        return None if seconds is None else max(DISK_READ_SLOWER * seconds, DISK_READ_DEADLINE_MIN_S)
 
     def prompt_step(self, scheduled_tokens: int, scheduled_requests: int) -> None:
         """A scheduler step begins (:meth:`ComputePace.step`)."""

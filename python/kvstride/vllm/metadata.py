@@ -32,6 +32,8 @@ class KVStrideMetadata(KVConnectorMetadata):
     disk_writes: Dict[int, List[Tuple[int, int, str]]] = field(default_factory=dict)
     disk_cancelled: List[int] = field(default_factory=list)  # write-through jobs given up: not to begin
     disk_reads: Dict[str, List[Tuple[int, int, str, int]]] = field(default_factory=dict)
+    # req id -> seconds its reads may take before it recomputes (at most load_timeout_s)
+    disk_read_deadlines: Dict[str, float] = field(default_factory=dict)
     # Block ids the step's scheduling allocated anew, those its loads write included (any group;
     # None: unknown, every block): saves still reading one are waited for before the step's
     # forward or loads may write it.

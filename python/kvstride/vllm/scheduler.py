@@ -311,6 +311,9 @@ class SchedulerSide(Outcomes):
                 reads = self.placement.disk_reads(rid)
                 if reads:
                     meta.disk_reads[rid] = reads
+                    deadline = self.placement.read_admission.read_deadline(load.hit_tokens - load.local_tokens)
+                    if deadline is not None:
+                        meta.disk_read_deadlines[rid] = deadline
                     self.engine.count("loads_from_disk")
         except Exception as err:
             log.warning("kvstride: load of %s could not be planned, it is recomputed: %r", rid, err)

@@ -182,7 +182,8 @@ class WorkerSide(Outcomes):
             if disk is None:
                 self._load_failed.add(rid)
                 continue
-            self._reading[rid] = (entries, time.monotonic() + self._load_timeout_s)
+            timeout = min(self._load_timeout_s, meta.disk_read_deadlines.get(rid, self._load_timeout_s))
+            self._reading[rid] = (entries, time.monotonic() + timeout)
             disk.read(rid, reads)
         if gets:
             self.engine.submit_planned(gets=gets)
@@ -263,8 +264,8 @@ class WorkerSide(Outcomes):
             self._reads_late.add(rid)
             self._late_report(rid, timed_out=1)
             self.count("disk_reads_timed_out")
-            self._log_once("disk-read-deadline", "kvstride: a disk-tier read took over load_timeout_s=%s s; "
-                           "its request recomputes", self._load_timeout_s)
+            self._log_once("disk-read-deadline", "kvstride: a disk-tier read took longer than its request's "
+                           "compute would (or load_timeout_s=%s s); it recomputes", self._load_timeout_s)
             self._load_failed.add(rid)
         if gets:
             self.engine.submit_planned(gets=gets)
